@@ -1,0 +1,102 @@
+"""gradtrack: watch a PyTorch model's gradient flow and stream it to your experiment tracker.
+
+>>> import torch, gradtrack
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+>>> with gradtrack.watch(model, backend="memory", log_every=1) as watcher:
+...     model(torch.randn(16, 4)).pow(2).mean().backward()
+>>> watcher.layer_names
+('0', '2')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+
+from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.errors import GradtrackConfigError, GradtrackError
+from gradtrack.histogram import Histogram
+from gradtrack.record import LayerStats, StepRecord
+from gradtrack.sinks import GradientSink, create_sink, register_sink
+from gradtrack.watcher import Watcher, watcher_of
+
+__version__ = "0.1.0"
+
+Backend = Union[str, GradientSink]
+
+
+def watch(
+    model: torch.nn.Module,
+    backend: Backend | Sequence[Backend] = "console",
+    optimizer: torch.optim.Optimizer | None = None,
+    config: ConfigSource = None,
+    **overrides: Any,
+) -> Watcher:
+    """Watch ``model``'s gradients and stream per-layer summaries to ``backend``.
+
+    ``backend`` is a registered name (``"console"``, ``"memory"`` …), a `GradientSink`, or a
+    list of either. With ``optimizer`` there is one step per ``optimizer.step()`` (right for
+    gradient accumulation), else one per backward. ``config`` is a `GradtrackConfig`, a dict or
+    a config file; keyword ``overrides`` (``log_every=1``) win over everything else.
+
+    >>> model = torch.nn.Linear(3, 1)
+    >>> watcher = watch(model, backend="memory", log_every=50)
+    >>> watcher.close()
+    """
+    resolved = load_config(config, overrides)
+    if not isinstance(model, torch.nn.Module):
+        raise GradtrackError(f"gradtrack.watch needs a torch.nn.Module, not {type(model).__name__}")
+    sinks = _build_sinks(backend, resolved)
+    try:
+        return Watcher(model, sinks, resolved, optimizer)
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+
+
+def unwatch(model: torch.nn.Module) -> None:
+    """Stop watching ``model``: remove gradtrack's hooks and flush its sinks (no-op if unwatched).
+
+    >>> model = torch.nn.Linear(3, 1)
+    >>> _ = watch(model, backend="memory")
+    >>> unwatch(model); unwatch(model)
+    """
+    watcher = watcher_of(model)
+    if watcher is not None:
+        watcher.close()
+
+
+def _build_sinks(backend: Backend | Sequence[Backend], config: GradtrackConfig) -> list[GradientSink]:
+    items = [backend] if isinstance(backend, str) or not isinstance(backend, Sequence) else backend
+    if not items:
+        raise GradtrackError("backend is empty: give a backend name, a GradientSink, or a list")
+    sinks: list[GradientSink] = []
+    for item in items:
+        if isinstance(item, str):
+            sinks.append(create_sink(item, config))
+        elif isinstance(item, GradientSink):
+            sinks.append(item)
+        else:
+            raise GradtrackError(
+                f"backend {item!r} is neither a registered name nor a GradientSink "
+                "(an object with write, flush and close methods)"
+            )
+    return sinks
+
+
+__all__ = [
+    "GradientSink",
+    "GradtrackConfig",
+    "GradtrackConfigError",
+    "GradtrackError",
+    "Histogram",
+    "LayerStats",
+    "StepRecord",
+    "Watcher",
+    "register_sink",
+    "unwatch",
+    "watch",
+]

@@ -1,0 +1,131 @@
+"""The training thread's share of the work: gather gradients, reduce them, hand them off.
+
+`Collector.collect` launches the batched reductions and one host copy per device; it never
+reads a value back, so on an accelerator it does not wait for the device.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gradtrack.layers import Layer
+from gradtrack.stats import (
+    HostPart,
+    copy_to_host,
+    fill_nonfinite_counts,
+    nonfinite_counts,
+    sample_elements,
+    tensor_norms,
+)
+
+
+class Collector:
+    """Flattened view of the watched layers' parameters, and the step's batched reduction."""
+
+    def __init__(self, layers: Sequence[Layer], sample_size: int, seed: int) -> None:
+        self.layer_names = tuple(layer.name for layer in layers)
+        self.params = [p for layer in layers for p in layer.params]
+        self.param_names = [name for layer in layers for name in layer.param_names]
+        self.tensor_layer = np.array(
+            [i for i, layer in enumerate(layers) for _ in layer.params], dtype=np.int64
+        )
+        self.tensor_numel = np.array([p.numel() for p in self.params], dtype=np.int64)
+        self.sample_counts = _split_sample_budget(layers, sample_size)
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._placeholders: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self.host_transfers = 0
+        self.count_on_device: bool | None = None  # None: on device except for CPU tensors
+
+    def collect(self, with_samples: bool) -> list[HostPart]:
+        """Reduce every present gradient; one `HostPart` per device (usually one)."""
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[Tensor]]]
+        groups = defaultdict(lambda: ([], []))
+        with torch.no_grad():
+            for i, param in enumerate(self.params):
+                grad = param.grad
+                if grad is None or not param.requires_grad:
+                    continue
+                if grad.is_sparse:
+                    # The dense gradient's statistics: implicit zeros add nothing to the sums.
+                    grad = grad.coalesce()._values()
+                if grad.numel() == 0:
+                    grad = self._placeholder(grad)
+                indices, grads = groups[(grad.device, grad.dtype)]
+                indices.append(i)
+                grads.append(grad)
+            by_device: dict[torch.device, list[tuple[list[int], list[Tensor]]]] = defaultdict(list)
+            for (device, _), group in groups.items():
+                by_device[device].append(group)
+            return [self._reduce_device(device, g, with_samples) for device, g in by_device.items()]
+
+    def _reduce_device(
+        self,
+        device: torch.device,
+        groups: list[tuple[list[int], list[Tensor]]],
+        with_samples: bool,
+    ) -> HostPart:
+        count_on_device = self.count_on_device
+        if count_on_device is None:
+            count_on_device = device.type != "cpu"
+        stats, samples, all_grads = [], [], []
+        for indices, grads in groups:
+            group_stats = tensor_norms(grads)
+            if count_on_device:
+                group_stats[:, 3:] = nonfinite_counts(grads)
+            stats.append(group_stats)
+            if with_samples:
+                counts = self.sample_counts[indices]
+                samples.append(sample_elements(grads, counts.tolist(), self._generator(device)))
+            all_grads.extend(grads)
+        tensor_index = np.concatenate([np.asarray(indices) for indices, _ in groups])
+        pieces = [torch.cat(stats).view(torch.float32).reshape(-1), *samples]
+        buffer, ready = copy_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+        self.host_transfers += 1
+        part = HostPart(
+            tensor_index=tensor_index,
+            sample_counts=(
+                np.minimum(self.sample_counts[tensor_index], _numel_of(all_grads))
+                if with_samples
+                else None
+            ),
+            buffer=buffer,
+            ready=ready,
+        )
+        if not count_on_device:
+            fill_nonfinite_counts(part.stats(), all_grads)
+        return part
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self._seed)
+            self._generators[device] = generator
+        return self._generators[device]
+
+    def _placeholder(self, grad: Tensor) -> Tensor:
+        # foreach max-norm has no identity for empty tensors; one zero reads the same.
+        key = (grad.device, grad.dtype)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.zeros(1, device=grad.device, dtype=grad.dtype)
+        return self._placeholders[key]
+
+
+def _numel_of(grads: Sequence[Tensor]) -> np.ndarray:
+    return np.array([g.numel() for g in grads], dtype=np.int64)
+
+
+def _split_sample_budget(layers: Sequence[Layer], sample_size: int) -> np.ndarray:
+    """Per tensor, its share of its layer's sample, in proportion to its size."""
+    counts = []
+    for layer in layers:
+        sizes = np.array([p.numel() for p in layer.params], dtype=np.float64)
+        total = sizes.sum()
+        share = np.zeros_like(sizes) if total == 0 else np.ceil(sample_size * sizes / total)
+        counts.extend(np.minimum(share, sizes).astype(np.int64))
+    return np.array(counts, dtype=np.int64)

@@ -1,0 +1,218 @@
+"""gradtrack's configuration: one pydantic model and the places its values come from.
+
+Precedence, lowest first: defaults < file named by ``GRADTRACK_CONFIG`` < ``GRADTRACK_*``
+environment variables < ``config=`` (object, dict or file) < keyword overrides.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+
+from gradtrack.errors import GradtrackConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "GRADTRACK_"
+ENV_CONFIG_FILE = "GRADTRACK_CONFIG"
+
+ConfigSource = Union["GradtrackConfig", Mapping[str, Any], str, os.PathLike, None]
+
+
+class GradtrackConfig(BaseModel):
+    """Everything that decides what gradtrack watches, how often, and how it hands data on.
+
+    >>> GradtrackConfig(log_every=5).log_every
+    5
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    log_every: PositiveInt = Field(10, description="Summarise every N-th step (step 0 included).")
+    hist_every: PositiveInt | None = Field(
+        100, description="Sample gradients for histograms every N-th step; None turns them off."
+    )
+    hist_bins: int = Field(64, ge=2, le=4096, description="Bins per histogram.")
+    hist_sample_size: PositiveInt = Field(
+        4096, description="Gradient elements sampled per layer for a histogram."
+    )
+    granularity: Literal["layer", "parameter"] = Field(
+        "layer", description="Summarise per module that owns parameters, or per parameter."
+    )
+    include: tuple[str, ...] = Field((), description="Glob patterns of layer names to watch.")
+    exclude: tuple[str, ...] = Field((), description="Glob patterns of layer names to skip.")
+    module_types: tuple[type[torch.nn.Module], ...] = Field(
+        (), description="Watch only modules of these types (classes or torch.nn names)."
+    )
+    queue_size: PositiveInt = Field(64, description="Steps waiting for the worker, at most.")
+    queue_full: Literal["drop_oldest", "block"] = Field(
+        "drop_oldest", description="When the queue is full: drop the oldest step, or wait."
+    )
+    max_batch_steps: PositiveInt = Field(32, description="Steps handed to a sink in one write.")
+    flush_timeout_s: float = Field(30.0, gt=0, description="How long close() waits for sinks.")
+    console_interval_s: float = Field(
+        5.0, ge=0, description="The console sink prints a table at most this often."
+    )
+    seed: int = Field(0, description="Seed of gradtrack's own sampling generator.")
+
+    @field_validator("include", "exclude", mode="before")
+    @classmethod
+    def _one_pattern_is_a_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("module_types", mode="before")
+    @classmethod
+    def _resolve_module_types(cls, value: Any) -> Any:
+        if isinstance(value, (str, type)):
+            value = (value,)
+        return tuple(_resolve_module_type(v) if isinstance(v, str) else v for v in value)
+
+    @field_validator("module_types")
+    @classmethod
+    def _only_modules(cls, value: tuple[type, ...]) -> tuple[type, ...]:
+        for cls_ in value:
+            if not issubclass(cls_, torch.nn.Module):
+                raise ValueError(f"{cls_!r} is not a torch.nn.Module subclass")
+        return value
+
+
+FIELDS: tuple[str, ...] = tuple(GradtrackConfig.model_fields)
+
+
+def _resolve_module_type(name: str) -> type:
+    if "." not in name:
+        found = getattr(torch.nn, name, None)
+        if isinstance(found, type):
+            return found
+        close = difflib.get_close_matches(name, [n for n in dir(torch.nn) if n[:1].isupper()], 3)
+        raise ValueError(f"torch.nn has no module type {name!r}; close names: {close}")
+    module_name, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)  # type: ignore[no-any-return]
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import module type {name!r}: {exc}") from exc
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML, TOML or JSON file holding config fields at its top level."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise GradtrackConfigError(f"cannot read gradtrack config file {path}: {exc}") from exc
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ModuleNotFoundError as exc:
+                raise GradtrackConfigError(
+                    f"{path} is YAML but PyYAML is not installed: pip install pyyaml"
+                ) from exc
+            data = yaml.safe_load(text) or {}
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise GradtrackConfigError(
+                f"gradtrack config file {path} must end in .toml, .yaml, .yml or .json"
+            )
+    except GradtrackConfigError:
+        raise
+    except Exception as exc:  # each parser has its own error type
+        raise GradtrackConfigError(f"cannot parse gradtrack config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise GradtrackConfigError(
+            f"gradtrack config file {path} must hold a mapping of fields, not {type(data).__name__}"
+        )
+    return data
+
+
+def _env_value(field: str, raw: str) -> Any:
+    if raw.strip().lower() in ("", "none", "null"):
+        return None
+    if field in ("include", "exclude", "module_types"):
+        if raw.lstrip().startswith("["):
+            return json.loads(raw)
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    return raw
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Config fields from ``GRADTRACK_<FIELD>`` variables (``GRADTRACK_CONFIG`` names a file)."""
+    values: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
+            field = name[len(ENV_PREFIX) :].lower()
+            values[field] = _env_value(field, raw)
+    return values
+
+
+def load_config(
+    config: ConfigSource = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> GradtrackConfig:
+    """Merge every source of configuration, in the documented precedence, and validate once.
+
+    >>> load_config({"log_every": 2}, {"hist_every": None}, environ={}).hist_every is None
+    True
+    """
+    environ = os.environ if environ is None else environ
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if environ.get(ENV_CONFIG_FILE):
+        path = environ[ENV_CONFIG_FILE]
+        layers.append((f"file {path} (from {ENV_CONFIG_FILE})", read_config_file(path)))
+    layers.append(("environment variable", read_env(environ)))
+    if isinstance(config, GradtrackConfig):
+        layers.append(("config object", config.model_dump(exclude_unset=True)))
+    elif isinstance(config, (str, os.PathLike)):
+        layers.append((f"file {config}", read_config_file(config)))
+    elif isinstance(config, Mapping):
+        layers.append(("config dict", config))
+    elif config is not None:
+        raise GradtrackConfigError(
+            "config must be a GradtrackConfig, a dict, or a path to a .toml/.yaml/.json file, "
+            f"not {type(config).__name__}"
+        )
+    layers.append(("keyword argument", overrides or {}))
+
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for source, values in layers:
+        for key, value in values.items():
+            merged[key] = value
+            origin[key] = (ENV_PREFIX + key.upper()) if source == "environment variable" else source
+    try:
+        return GradtrackConfig(**merged)
+    except ValidationError as exc:
+        raise GradtrackConfigError(_describe(exc, origin)) from None
+
+
+def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
+    lines = ["invalid gradtrack config:"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        where = origin.get(str(item["loc"][0]), "?")
+        if item["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(field, FIELDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(
+                f"  unknown field {field!r} (from {where}){hint} Known fields: {', '.join(FIELDS)}"
+            )
+        else:
+            lines.append(f"  {field} = {item['input']!r} (from {where}): {item['msg']}")
+    return "\n".join(lines)

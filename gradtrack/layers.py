@@ -1,0 +1,113 @@
+"""Which parameters gradtrack watches, and under which layer name each is summarised.
+
+A layer is a module that owns parameters directly, named by its module path; a parameter
+shared by several modules is counted once, under the first owner in ``named_modules()`` order.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from gradtrack.config import GradtrackConfig
+from gradtrack.errors import GradtrackError
+
+ROOT_LAYER_NAME = "root"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One summarised unit: a module's own parameters, or a single parameter."""
+
+    name: str
+    module_type: type[nn.Module]
+    param_names: tuple[str, ...]
+    params: tuple[nn.Parameter, ...]
+
+
+def _owned_parameters(model: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    seen: set[int] = set()
+    owners = []
+    for module_name, module in model.named_modules():
+        own = []
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            full_name = f"{module_name}.{param_name}" if module_name else param_name
+            own.append((full_name, param))
+        if own:
+            owners.append((module_name or ROOT_LAYER_NAME, module, own))
+    return owners
+
+
+def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
+    """The layers of ``model`` that ``config`` selects, in ``named_modules()`` order.
+
+    Frozen parameters stay in their layer (a parameter unfrozen later is picked up), but a
+    layer is listed only if it owns a trainable parameter now.
+
+    >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    >>> [layer.name for layer in discover_layers(model, GradtrackConfig())]
+    ['0', '2']
+    """
+    owners = _owned_parameters(model)
+    if not any(p.requires_grad for _, _, own in owners for _, p in own):
+        total = sum(len(own) for _, _, own in owners)
+        raise GradtrackError(
+            f"{type(model).__name__} has no trainable parameters ({total} parameters, none with "
+            "requires_grad=True): there is no gradient to watch. Unfreeze some parameters "
+            "before calling gradtrack.watch."
+        )
+
+    candidates: list[Layer] = []
+    for module_name, module, own in owners:
+        if config.module_types and not isinstance(module, config.module_types):
+            continue
+        if not any(p.requires_grad for _, p in own):
+            continue
+        if config.granularity == "parameter":
+            candidates.extend(Layer(name, type(module), (name,), (p,)) for name, p in own)
+        else:
+            names, params = zip(*own)
+            candidates.append(Layer(module_name, type(module), names, params))
+
+    if not candidates:
+        kinds = ", ".join(t.__name__ for t in config.module_types)
+        raise GradtrackError(f"no module with trainable parameters is of type {kinds}")
+    names = [layer.name for layer in candidates]
+    _check_patterns("include", config.include, names)
+    _check_patterns("exclude", config.exclude, names)
+    selected = [
+        layer
+        for layer in candidates
+        if (not config.include or _matches(layer.name, config.include))
+        and not _matches(layer.name, config.exclude)
+    ]
+    if not selected:
+        raise GradtrackError(
+            f"include={list(config.include)} and exclude={list(config.exclude)} leave no layer "
+            f"to watch; layers: {_preview(names)}"
+        )
+    return selected
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _check_patterns(option: str, patterns: Sequence[str], names: list[str]) -> None:
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
+            hint = f"closest layer names: {close}" if close else f"layers: {_preview(names)}"
+            raise GradtrackError(f"{option} pattern {pattern!r} matches no layer; {hint}")
+
+
+def _preview(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")

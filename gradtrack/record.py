@@ -1,0 +1,128 @@
+"""What the worker hands to sinks: one `StepRecord` per logged step, and its metric keys.
+
+Every sink names metrics with `scalar_metrics`, so runs line up across backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from gradtrack.histogram import Histogram
+
+# Columns of `StepRecord.stats`, one row per layer that had a gradient at this step.
+STAT_COLUMNS = ("norm", "max_abs", "mean_abs", "rms", "numel", "nan", "inf")
+
+TOTAL_NORM_KEY = "grad/total_norm"
+TOTAL_NAN_KEY = "grad/nan_count"
+TOTAL_INF_KEY = "grad/inf_count"
+# Metric family per statistic; NaN/Inf families appear only where the count is non-zero.
+LAYER_KEY_PREFIX = {
+    "norm": "grad_norm",
+    "max_abs": "grad_max",
+    "mean_abs": "grad_mean_abs",
+    "rms": "grad_rms",
+}
+NONFINITE_KEY_PREFIX = {"nan": "grad_nan", "inf": "grad_inf"}
+
+
+class LayerStats(NamedTuple):
+    """One layer's gradient at one step."""
+
+    norm: float
+    max_abs: float
+    mean_abs: float
+    rms: float
+    numel: int
+    nan: int
+    inf: int
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One logged step: per-layer statistics (rows follow ``layers``) and histograms."""
+
+    step: int
+    wall_time: float
+    layers: tuple[str, ...]
+    stats: np.ndarray
+    total_norm: float
+    histograms: Mapping[str, Histogram] = field(default_factory=dict)
+
+    def column(self, name: str) -> np.ndarray:
+        return self.stats[:, STAT_COLUMNS.index(name)]
+
+    def layer_stats(self) -> dict[str, LayerStats]:
+        return {
+            name: LayerStats(*row[:4].tolist(), *(int(v) for v in row[4:]))
+            for name, row in zip(self.layers, self.stats)
+        }
+
+    @property
+    def nan_count(self) -> int:
+        return int(self.column("nan").sum())
+
+    @property
+    def inf_count(self) -> int:
+        return int(self.column("inf").sum())
+
+
+def scalar_metrics(record: StepRecord) -> dict[str, float]:
+    """The record as flat ``{key: value}`` metrics, with the keys every sink uses.
+
+    >>> stats = np.array([[5.0, 4.0, 3.5, 3.54, 2, 0, 0]])
+    >>> sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0)))
+    ['grad/inf_count', 'grad/nan_count', 'grad/total_norm', 'grad_max/fc', 'grad_mean_abs/fc', 'grad_norm/fc', 'grad_rms/fc']
+    """
+    metrics = {
+        TOTAL_NORM_KEY: record.total_norm,
+        TOTAL_NAN_KEY: float(record.nan_count),
+        TOTAL_INF_KEY: float(record.inf_count),
+    }
+    for stat, prefix in LAYER_KEY_PREFIX.items():
+        for layer, value in zip(record.layers, record.column(stat).tolist()):
+            metrics[f"{prefix}/{layer}"] = value
+    for stat, prefix in NONFINITE_KEY_PREFIX.items():
+        for layer, value in zip(record.layers, record.column(stat).tolist()):
+            if value:
+                metrics[f"{prefix}/{layer}"] = value
+    return metrics
+
+
+def summarise_layers(
+    layer_names: tuple[str, ...],
+    tensor_layer: np.ndarray,
+    tensor_numel: np.ndarray,
+    tensor_stats: np.ndarray,
+) -> tuple[tuple[str, ...], np.ndarray, float]:
+    """Per-tensor rows (L2, L1, max, NaN, Inf) → per-layer rows of `STAT_COLUMNS`.
+
+    Only layers with at least one tensor present get a row. Returns names, rows, total norm.
+    """
+    n = len(layer_names)
+    weights = {"minlength": n}
+    l2, l1, linf, nan, inf = tensor_stats.T
+    sumsq = np.bincount(tensor_layer, l2 * l2, **weights)
+    present = np.bincount(tensor_layer, **weights) > 0
+    max_abs = np.full(n, -np.inf)
+    with np.errstate(invalid="ignore"):
+        np.maximum.at(max_abs, tensor_layer, linf)
+    numel = np.bincount(tensor_layer, tensor_numel.astype(np.float64), **weights)
+    safe_numel = np.maximum(numel, 1.0)  # an empty layer's gradient is all (no) zeros
+    rows = np.stack(
+        [
+            np.sqrt(sumsq),
+            max_abs,
+            np.bincount(tensor_layer, l1, **weights) / safe_numel,
+            np.sqrt(sumsq / safe_numel),
+            numel,
+            np.bincount(tensor_layer, nan, **weights),
+            np.bincount(tensor_layer, inf, **weights),
+        ],
+        axis=1,
+    )[present]
+    names = tuple(name for name, keep in zip(layer_names, present) if keep)
+    return names, rows, float(np.sqrt(sumsq[present].sum()))

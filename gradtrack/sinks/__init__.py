@@ -1,0 +1,17 @@
+"""Built-in sinks and the registry that maps ``backend=`` names to them."""
+
+from gradtrack.sinks.base import GradientSink, create_sink, register_sink, registered_sinks
+from gradtrack.sinks.console import ConsoleSink
+from gradtrack.sinks.memory import MemorySink
+
+register_sink("console", lambda config: ConsoleSink(interval_s=config.console_interval_s))
+register_sink("memory", lambda config: MemorySink())
+
+__all__ = [
+    "ConsoleSink",
+    "GradientSink",
+    "MemorySink",
+    "create_sink",
+    "register_sink",
+    "registered_sinks",
+]

@@ -1,0 +1,63 @@
+"""A human-readable table of per-layer gradient flow, rate-limited so it never floods a terminal.
+
+The first step, the first non-finite step and the last step are always shown.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from gradtrack.record import StepRecord
+
+
+def format_table(record: StepRecord) -> str:
+    """The step as a table: layer, size, L2 norm, max |g|, mean |g|, NaN and Inf counts."""
+    width = max([5, *(len(name) for name in record.layers)])
+    lines = [
+        f"gradtrack step {record.step}: total gradient norm {record.total_norm:.3e}",
+        f"  {'layer':<{width}}  {'numel':>10}  {'norm':>10}  {'max|g|':>10}  {'mean|g|':>10}"
+        f"  {'NaN':>6}  {'Inf':>6}",
+    ]
+    for name, stats in record.layer_stats().items():
+        flag = "  <- non-finite" if stats.nan or stats.inf else ""
+        lines.append(
+            f"  {name:<{width}}  {stats.numel:>10}  {stats.norm:>10.3e}  {stats.max_abs:>10.3e}"
+            f"  {stats.mean_abs:>10.3e}  {stats.nan:>6}  {stats.inf:>6}{flag}"
+        )
+    return "\n".join(lines)
+
+
+class ConsoleSink:
+    """Prints the latest step at most every ``interval_s`` seconds."""
+
+    def __init__(self, interval_s: float = 5.0, stream: TextIO | None = None) -> None:
+        self.interval_s = interval_s
+        self.stream = stream
+        self._last_print = -float("inf")
+        self._latest: StepRecord | None = None
+        self._printed_latest = False
+        self._shown_nonfinite = False
+
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        for record in batch:
+            self._latest, self._printed_latest = record, False
+            first_bad = (record.nan_count or record.inf_count) and not self._shown_nonfinite
+            if first_bad or time.monotonic() - self._last_print >= self.interval_s:
+                self._print(record)
+                self._shown_nonfinite |= bool(first_bad)
+
+    def _print(self, record: StepRecord) -> None:
+        stream = self.stream or sys.stdout
+        print(format_table(record), file=stream, flush=True)
+        self._last_print = time.monotonic()
+        self._printed_latest = record is self._latest
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._latest is not None and not self._printed_latest:
+            self._print(self._latest)

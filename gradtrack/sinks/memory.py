@@ -1,0 +1,60 @@
+"""A sink that keeps every step in process: for notebooks, tests and custom analysis.
+
+`scalars()` and `histograms()` give the same keys every other sink logs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from gradtrack.histogram import Histogram
+from gradtrack.record import StepRecord, scalar_metrics
+
+
+class MemorySink:
+    """Stores every `StepRecord` it is given.
+
+    >>> import torch, gradtrack
+    >>> model = torch.nn.Linear(4, 2)
+    >>> sink = MemorySink()
+    >>> with gradtrack.watch(model, backend=sink, log_every=1):
+    ...     model(torch.ones(3, 4)).sum().backward()
+    >>> [step for step, _ in sink.scalars()["grad/total_norm"]]
+    [0]
+    """
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        with self._lock:
+            self.records.extend(batch)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def scalars(self) -> dict[str, list[tuple[int, float]]]:
+        """``{key: [(step, value), ...]}`` in step order."""
+        series: dict[str, list[tuple[int, float]]] = {}
+        with self._lock:
+            records = list(self.records)
+        for record in records:
+            for key, value in scalar_metrics(record).items():
+                series.setdefault(key, []).append((record.step, value))
+        return series
+
+    def histograms(self) -> dict[str, list[tuple[int, Histogram]]]:
+        """``{layer: [(step, Histogram), ...]}`` for the steps that sampled gradients."""
+        series: dict[str, list[tuple[int, Histogram]]] = {}
+        with self._lock:
+            records = list(self.records)
+        for record in records:
+            for layer, histogram in record.histograms.items():
+                series.setdefault(layer, []).append((record.step, histogram))
+        return series

@@ -1,0 +1,149 @@
+"""Batched on-device gradient reductions: a few foreach kernels per (device, dtype) group.
+
+No I/O and no host synchronisation, except in `copy_to_host` (one copy per device and
+step) and `fill_nonfinite_counts` (CPU tensors only, and only on non-finite steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# Columns of the per-tensor array computed on the device.
+L2, L1, LINF, NAN, INF = range(5)
+TENSOR_COLUMNS = 5
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Temporaries of the on-device NaN/Inf count are made this many elements at a time, at most.
+_COUNT_CHUNK_ELEMENTS = 1 << 25
+
+
+@dataclass
+class HostPart:
+    """What one device hands to the worker for one step: rows and samples, in one buffer.
+
+    ``buffer`` holds the [rows, 5] float64 statistics reinterpreted as float32, followed by
+    the float32 gradient samples; ``ready`` is set once the copy into it has completed.
+    """
+
+    tensor_index: np.ndarray
+    sample_counts: np.ndarray | None
+    buffer: Tensor
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def stats(self) -> np.ndarray:
+        rows = len(self.tensor_index)
+        flat = self.buffer.numpy()[: rows * TENSOR_COLUMNS * 2]
+        return flat.view(np.float64).reshape(rows, TENSOR_COLUMNS)
+
+    def samples(self) -> np.ndarray:
+        return self.buffer.numpy()[len(self.tensor_index) * TENSOR_COLUMNS * 2 :]
+
+
+def tensor_norms(grads: Sequence[Tensor]) -> Tensor:
+    """[len(grads), 5] float64: L2 norm, L1 norm, max |g|, then zeros for the NaN/Inf counts.
+
+    ``grads`` share one device and dtype, and none is empty. fp16/bf16 accumulate in fp32.
+    NaN anywhere makes all three norms NaN; ±Inf without NaN makes L2 and max Inf.
+
+    >>> tensor_norms([torch.tensor([3.0, -4.0])])
+    tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
+    """
+    accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
+    norms = [
+        *torch._foreach_norm(grads, 2, dtype=accumulate),
+        *torch._foreach_norm(grads, 1, dtype=accumulate),
+        *torch._foreach_norm(grads, math.inf, dtype=accumulate),
+    ]
+    stacked = torch.stack(norms).view(3, len(grads)).T.to(torch.float64)
+    return torch.cat([stacked, stacked.new_zeros(len(grads), 2)], dim=1)
+
+
+def nonfinite_counts(grads: Sequence[Tensor]) -> Tensor:
+    """[len(grads), 2] float64: exact NaN and Inf counts, in foreach kernels, without a sync.
+
+    ``g - g`` is NaN exactly where g is NaN or ±Inf; clamping to [-1, 1] first turns ±Inf
+    finite, so the same difference is then NaN only where g is NaN. ``norm(·, 0)`` counts.
+
+    >>> nonfinite_counts([torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])])
+    tensor([[1., 2.]], dtype=torch.float64)
+    """
+    nonfinite: list[Tensor] = []
+    nan: list[Tensor] = []
+    for chunk in _chunks(grads, _COUNT_CHUNK_ELEMENTS):
+        nonfinite += torch._foreach_norm(torch._foreach_sub(chunk, chunk), 0, dtype=torch.float32)
+        clamped = torch._foreach_clamp_max(torch._foreach_clamp_min(chunk, -1.0), 1.0)
+        nan += torch._foreach_norm(torch._foreach_sub(clamped, clamped), 0, dtype=torch.float32)
+    nan_count = torch.stack(nan).to(torch.float64)
+    return torch.stack([nan_count, torch.stack(nonfinite).to(torch.float64) - nan_count], dim=1)
+
+
+def _chunks(tensors: Sequence[Tensor], max_elements: int) -> list[list[Tensor]]:
+    chunks: list[list[Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if chunks[-1] and size + tensor.numel() > max_elements:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(tensor)
+        size += tensor.numel()
+    return chunks
+
+
+def sample_elements(
+    grads: Sequence[Tensor], counts: Sequence[int], generator: torch.Generator
+) -> Tensor:
+    """float32 samples, ``counts[i]`` elements drawn with replacement from ``grads[i]``.
+
+    A tensor with no more elements than its count gives all of them. Uses only ``generator``,
+    so the training process's own random state is untouched.
+    """
+    picked = []
+    for grad, count in zip(grads, counts):
+        flat = grad.reshape(-1)
+        if count >= flat.numel():
+            picked.append(flat)
+        elif count > 0:
+            index = torch.randint(
+                flat.numel(), (count,), generator=generator, device=flat.device
+            )
+            picked.append(flat[index])
+    if not picked:
+        return torch.empty(0, dtype=torch.float32, device=grads[0].device)
+    return torch.cat(picked).to(torch.float32)
+
+
+def copy_to_host(packet: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """The step's one device→host copy: asynchronous into pinned memory on CUDA."""
+    if packet.device.type == "cpu":
+        return packet, None
+    host = torch.empty(packet.shape, dtype=packet.dtype, pin_memory=packet.is_cuda)
+    host.copy_(packet, non_blocking=True)
+    if not packet.is_cuda:
+        return host, None
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def fill_nonfinite_counts(stats: np.ndarray, grads: Sequence[Tensor]) -> None:
+    """Count NaN/Inf exactly in the CPU tensors whose norms came out non-finite.
+
+    On finite steps this is one numpy check; CPU tensors need no device synchronisation.
+    """
+    bad = np.flatnonzero(~(np.isfinite(stats[:, L2]) & np.isfinite(stats[:, LINF])))
+    if len(bad) == 0:
+        return
+    counts = torch.stack(
+        [torch.stack([grads[i].isnan().sum(), grads[i].isinf().sum()]) for i in bad]
+    )
+    stats[bad, NAN:] = counts.numpy()
