@@ -121,11 +121,18 @@ def _numel_of(grads: Sequence[Tensor]) -> np.ndarray:
 
 
 def _split_sample_budget(layers: Sequence[Layer], sample_size: int) -> np.ndarray:
-    """Per tensor, its share of its layer's sample, in proportion to its size."""
-    counts = []
+    """Per tensor, its share of its layer's sample: ``min(sample_size, layer numel)`` in all,
+    split in proportion to size (largest remainders get the leftover elements)."""
+    counts: list[np.ndarray] = []
     for layer in layers:
-        sizes = np.array([p.numel() for p in layer.params], dtype=np.float64)
-        total = sizes.sum()
-        share = np.zeros_like(sizes) if total == 0 else np.ceil(sample_size * sizes / total)
-        counts.extend(np.minimum(share, sizes).astype(np.int64))
-    return np.array(counts, dtype=np.int64)
+        sizes = np.array([p.numel() for p in layer.params], dtype=np.int64)
+        total = int(sizes.sum())
+        if total <= sample_size:
+            counts.append(sizes)
+            continue
+        exact = sample_size * sizes / total
+        share = np.floor(exact).astype(np.int64)
+        leftover = sample_size - int(share.sum())
+        share[np.argsort(share - exact, kind="stable")[:leftover]] += 1
+        counts.append(share)
+    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)

@@ -48,8 +48,8 @@ def _owned_parameters(model: nn.Module) -> list[tuple[str, nn.Module, list[tuple
 def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
     """The layers of ``model`` that ``config`` selects, in ``named_modules()`` order.
 
-    Frozen parameters stay in their layer (a parameter unfrozen later is picked up), but a
-    layer is listed only if it owns a trainable parameter now.
+    Frozen parameters and layers are kept: a step summarises only parameters that have a
+    gradient then, so a parameter unfrozen later is picked up from its first gradient on.
 
     >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
     >>> [layer.name for layer in discover_layers(model, GradtrackConfig())]
@@ -68,8 +68,6 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
     for module_name, module, own in owners:
         if config.module_types and not isinstance(module, config.module_types):
             continue
-        if not any(p.requires_grad for _, p in own):
-            continue
         if config.granularity == "parameter":
             candidates.extend(Layer(name, type(module), (name,), (p,)) for name, p in own)
         else:
@@ -78,7 +76,7 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
 
     if not candidates:
         kinds = ", ".join(t.__name__ for t in config.module_types)
-        raise GradtrackError(f"no module with trainable parameters is of type {kinds}")
+        raise GradtrackError(f"no module that owns parameters is of type {kinds}")
     names = [layer.name for layer in candidates]
     _check_patterns("include", config.include, names)
     _check_patterns("exclude", config.exclude, names)

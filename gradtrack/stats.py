@@ -80,11 +80,11 @@ def nonfinite_counts(grads: Sequence[Tensor]) -> Tensor:
     nonfinite: list[Tensor] = []
     nan: list[Tensor] = []
     for chunk in _chunks(grads, _COUNT_CHUNK_ELEMENTS):
-        nonfinite += torch._foreach_norm(torch._foreach_sub(chunk, chunk), 0, dtype=torch.float32)
+        nonfinite += torch._foreach_norm(torch._foreach_sub(chunk, chunk), 0, dtype=torch.float64)
         clamped = torch._foreach_clamp_max(torch._foreach_clamp_min(chunk, -1.0), 1.0)
-        nan += torch._foreach_norm(torch._foreach_sub(clamped, clamped), 0, dtype=torch.float32)
-    nan_count = torch.stack(nan).to(torch.float64)
-    return torch.stack([nan_count, torch.stack(nonfinite).to(torch.float64) - nan_count], dim=1)
+        nan += torch._foreach_norm(torch._foreach_sub(clamped, clamped), 0, dtype=torch.float64)
+    nan_count = torch.stack(nan)
+    return torch.stack([nan_count, torch.stack(nonfinite) - nan_count], dim=1)
 
 
 def _chunks(tensors: Sequence[Tensor], max_elements: int) -> list[list[Tensor]]:

@@ -1,0 +1,66 @@
+"""Shared helpers: an independent reference for every statistic, computed from ``p.grad``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gradtrack.record import STAT_COLUMNS, StepRecord
+
+
+def reference_stats(grads: Iterable[torch.Tensor]) -> dict[str, float]:
+    """Straightforward fp64 statistics of the concatenated dense gradients."""
+    flat = torch.cat([g.to_dense().double().reshape(-1) for g in grads])
+    if flat.numel() == 0:
+        return dict.fromkeys(STAT_COLUMNS, 0.0)
+    abs_ = flat.abs()
+    return {
+        "norm": math.sqrt(float((flat * flat).sum())),
+        "max_abs": float(abs_.max()),
+        "mean_abs": float(abs_.mean()),
+        "rms": math.sqrt(float((flat * flat).mean())),
+        "numel": float(flat.numel()),
+        "nan": float(flat.isnan().sum()),
+        "inf": float(flat.isinf().sum()),
+    }
+
+
+def assert_record_matches(
+    record: StepRecord, expected: dict[str, dict[str, float]], rtol: float = 1e-6
+) -> None:
+    assert record.layers == tuple(expected)
+    for row, (layer, stats) in zip(record.stats, expected.items()):
+        got = dict(zip(STAT_COLUMNS, row.tolist()))
+        for name in STAT_COLUMNS:
+            np.testing.assert_allclose(
+                got[name], stats[name], rtol=rtol, atol=0, equal_nan=True,
+                err_msg=f"{layer}.{name}",
+            )  # fmt: skip
+
+
+class SmallCNN(nn.Sequential):
+    """The quickstart CNN."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        )  # fmt: skip
+
+
+@pytest.fixture
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return SmallCNN()
+
+
+def cnn_batch(batch_size: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch_size, 3, 32, 32, generator=generator)
+    return images, torch.randint(10, (batch_size,), generator=generator)

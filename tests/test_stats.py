@@ -1,0 +1,194 @@
+"""Every statistic against an independent fp64 reference computed from ``p.grad``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.record import StepRecord
+from gradtrack.sinks import MemorySink
+from tests.conftest import assert_record_matches, reference_stats
+
+COUNT_STRATEGIES = {"on_device": True, "on_demand": False}
+
+
+def one_step(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+    count_on_device: bool = False,
+    before_step: Callable[[nn.Module], None] | None = None,
+    **overrides: object,
+) -> StepRecord:
+    """Backward once, optionally tamper with the gradients, then one optimizer step."""
+    sink = MemorySink()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    with gradtrack.watch(
+        model, backend=sink, optimizer=optimizer, log_every=1, **overrides
+    ) as watcher:
+        watcher.collector.count_on_device = count_on_device
+        loss_fn(model).backward()
+        if before_step is not None:
+            before_step(model)
+        optimizer.step()
+    assert len(sink.records) == 1
+    return sink.records[0]
+
+
+def mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+
+
+def mlp_loss(model: nn.Module) -> torch.Tensor:
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(32, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return model(x).float().pow(2).mean() * 100
+
+
+def expected_by_module(model: nn.Module, names: list[str]) -> dict[str, dict[str, float]]:
+    modules = dict(model.named_modules())
+    return {
+        name: reference_stats(
+            p.grad for p in modules[name].parameters(recurse=False) if p.grad is not None
+        )
+        for name in names
+    }
+
+
+@pytest.mark.parametrize("strategy", COUNT_STRATEGIES)
+@pytest.mark.parametrize(
+    ("dtype", "rtol"),
+    [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)],
+)
+def test_statistics_match_reference_per_dtype(dtype: torch.dtype, rtol: float, strategy: str) -> None:
+    model = mlp(dtype)
+    record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy])
+    assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]), rtol=rtol)
+    total = reference_stats(p.grad for p in model.parameters())["norm"]
+    assert record.total_norm == pytest.approx(total, rel=rtol)
+
+
+def test_fp16_gradients_whose_norm_overflows_fp16_are_reduced_in_fp32() -> None:
+    model = nn.Linear(1000, 1, bias=False).half()
+
+    def big_grads(m: nn.Module) -> None:
+        m.weight.grad.fill_(60000.0)  # each element fits fp16, the norm (1.9e6) does not
+
+    record = one_step(model, lambda m: m(torch.ones(1, 1000).half()).float().sum(), before_step=big_grads)
+    assert record.column("norm")[0] == pytest.approx(60000.0 * 1000**0.5, rel=1e-3)
+    assert record.column("inf")[0] == 0
+
+
+def test_frozen_parameters_are_skipped() -> None:
+    model = mlp()
+    model[0].requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    record = one_step(model, mlp_loss)
+    assert record.layers == ("2", "4")
+    assert record.column("numel").tolist() == [16, 51]
+    assert_record_matches(record, expected_by_module(model, ["2", "4"]))
+
+
+def test_layer_without_gradient_this_step_is_absent() -> None:
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.used = nn.Linear(4, 1)
+            self.unused = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(self.body(x))
+
+    model = TwoHeads()
+    record = one_step(model, lambda m: m(torch.randn(5, 4)).sum())
+    assert record.layers == ("body", "used")
+    assert_record_matches(record, expected_by_module(model, ["body", "used"]))
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_zero_size_parameters() -> None:
+    class WithEmpty(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+            self.empty = nn.Linear(0, 2)  # weight has shape (2, 0): zero elements
+            self.nothing = nn.Module()
+            self.nothing.p = nn.Parameter(torch.zeros(0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) + self.empty(x[:, :0]) + self.nothing.p.sum()
+
+    model = WithEmpty()
+    record = one_step(model, lambda m: m(torch.randn(4, 3)).pow(2).sum())
+    assert record.layers == ("fc", "empty", "nothing")
+    assert_record_matches(record, expected_by_module(model, ["fc", "empty", "nothing"]))
+    assert record.layer_stats()["nothing"] == (0.0, 0.0, 0.0, 0.0, 0, 0, 0)
+
+
+def test_tied_weights_are_counted_once_under_their_first_owner() -> None:
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(11, 8)
+            self.hidden = nn.Linear(8, 8)
+            self.decode = nn.Linear(8, 11)
+            self.decode.weight = self.embed.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.decode(torch.tanh(self.hidden(self.embed(tokens))))
+
+    model = TiedLM()
+    record = one_step(model, lambda m: m(torch.tensor([[1, 2, 3, 2]])).logsumexp(-1).sum())
+    assert record.layers == ("embed", "hidden", "decode")
+    assert record.column("numel").tolist() == [88, 72, 11]  # decode keeps only its bias
+    expected = expected_by_module(model, ["embed", "hidden"])
+    expected["decode"] = reference_stats([model.decode.bias.grad])
+    assert_record_matches(record, expected)
+    total = reference_stats(p.grad for p in model.parameters())["norm"]  # parameters() dedups
+    assert record.total_norm == pytest.approx(total, rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", COUNT_STRATEGIES)
+def test_sparse_embedding_is_summarised_as_its_dense_gradient(strategy: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1))
+    tokens = torch.tensor([[3, 7, 3, 3, 9]])  # repeated rows: an uncoalesced sparse gradient
+    record = one_step(model, lambda m: m(tokens).sum(), COUNT_STRATEGIES[strategy])
+    assert model[0].weight.grad.is_sparse
+    assert_record_matches(record, expected_by_module(model, ["0", "1"]))
+    assert record.column("numel")[0] == 200
+
+
+@pytest.mark.parametrize("strategy", COUNT_STRATEGIES)
+def test_injected_nan_and_inf_are_counted_exactly(strategy: str) -> None:
+    model = mlp()
+
+    def inject(m: nn.Module) -> None:
+        m[0].weight.grad.view(-1)[[0, 5, 9]] = float("nan")
+        m[2].bias.grad[[1, 2]] = float("inf")
+        m[2].weight.grad[0, 0] = -float("inf")
+        m[4].weight.grad[0, :2] = float("nan")
+        m[4].bias.grad[0] = float("inf")
+
+    record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy], before_step=inject)
+    stats = record.layer_stats()
+    assert (stats["0"].nan, stats["0"].inf) == (3, 0)
+    assert (stats["2"].nan, stats["2"].inf) == (0, 3)
+    assert (stats["4"].nan, stats["4"].inf) == (2, 1)
+    assert stats["2"].norm == float("inf") and stats["2"].max_abs == float("inf")
+    assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]))
+    assert record.nan_count == 5 and record.inf_count == 4
+
+
+def test_parameter_granularity_names_each_parameter() -> None:
+    model = mlp()
+    record = one_step(model, mlp_loss, granularity="parameter")
+    names = [name for name, _ in model.named_parameters()]
+    assert record.layers == tuple(names)
+    params = dict(model.named_parameters())
+    assert_record_matches(record, {n: reference_stats([params[n].grad]) for n in names})

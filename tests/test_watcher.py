@@ -1,0 +1,255 @@
+"""The Watcher's lifecycle and step semantics, on real models and real training loops."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.record import StepRecord
+from gradtrack.sinks import MemorySink
+from tests.conftest import SmallCNN, assert_record_matches, cnn_batch, reference_stats
+
+
+def train(model: nn.Module, steps: int, optimizer: torch.optim.Optimizer) -> list[float]:
+    losses = []
+    for step in range(steps):
+        images, labels = cnn_batch(seed=step)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def hook_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[object]:
+    state: list[object] = [dict(optimizer._optimizer_step_pre_hooks)]
+    for p in model.parameters():
+        state.append(dict(p._post_accumulate_grad_hooks or {}))
+        state.append(dict(p._backward_hooks or {}))
+    for m in model.modules():
+        state += [dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks)]
+    return state
+
+
+def test_one_record_per_optimizer_step_with_the_default_schedule(cnn: nn.Module) -> None:
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(cnn.parameters(), lr=0.01)
+    with gradtrack.watch(cnn, backend=sink, optimizer=optimizer) as watcher:
+        train(cnn, 25, optimizer)
+    assert watcher.step == 25
+    assert [r.step for r in sink.records] == [0, 10, 20]  # log_every=10 by default
+    assert list(sink.histograms()) == ["0", "3", "7"]
+    assert [step for step, _ in sink.histograms()["7"]] == [0]  # hist_every=100
+
+
+def test_without_optimizer_one_record_per_backward() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, log_every=4, hist_every=6):
+        for _ in range(13):
+            model(torch.randn(3, 4)).sum().backward()
+    assert [r.step for r in sink.records] == [0, 4, 6, 8, 12]
+    assert [step for step, _ in sink.histograms()["0"]] == [0, 6, 12]
+
+
+def test_gradient_accumulation_summarises_the_accumulated_gradient(cnn: nn.Module) -> None:
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(cnn.parameters(), lr=0.01)
+    expected = []
+    with gradtrack.watch(cnn, backend=sink, optimizer=optimizer, log_every=1):
+        for step in range(3):
+            optimizer.zero_grad()
+            for micro in range(4):
+                images, labels = cnn_batch(batch_size=4, seed=10 * step + micro)
+                (nn.functional.cross_entropy(cnn(images), labels) / 4).backward()
+            modules = dict(cnn.named_modules())
+            expected.append(
+                {n: reference_stats(p.grad for p in modules[n].parameters()) for n in ("0", "3", "7")}
+            )
+            optimizer.step()
+    assert [r.step for r in sink.records] == [0, 1, 2]
+    for record, reference in zip(sink.records, expected):
+        assert_record_matches(record, reference, rtol=1e-5)
+
+
+def test_watching_never_changes_training() -> None:
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(SmallCNN(), nn.Dropout(0.3))  # dropout consumes the global RNG
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        watcher = None
+        if watched:
+            watcher = gradtrack.watch(
+                model, backend=MemorySink(), optimizer=optimizer, log_every=1, hist_every=1
+            )
+        losses = train(model, 20, optimizer)
+        if watcher is not None:
+            watcher.close()
+        return losses, [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+    plain, watched = run(False), run(True)
+    assert plain[0] == watched[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
+    assert torch.equal(plain[2], watched[2])
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_close_removes_every_hook_and_is_idempotent(cnn: nn.Module, with_optimizer: bool) -> None:
+    optimizer = torch.optim.SGD(cnn.parameters(), lr=0.01)
+    before = hook_state(cnn, optimizer)
+    sink = MemorySink()
+    watcher = gradtrack.watch(
+        cnn, backend=sink, optimizer=optimizer if with_optimizer else None, log_every=1
+    )
+    assert hook_state(cnn, optimizer) != before
+    train(cnn, 2, optimizer)
+    watcher.close()
+    watcher.close()
+    assert hook_state(cnn, optimizer) == before
+    assert sink.closed and len(sink.records) == 2
+    train(cnn, 2, optimizer)  # nothing more is recorded, nothing raises
+    assert len(sink.records) == 2
+
+
+def test_watching_twice_is_an_error_until_unwatched(cnn: nn.Module) -> None:
+    first = gradtrack.watch(cnn, backend="memory")
+    with pytest.raises(gradtrack.GradtrackError, match="already watched"):
+        gradtrack.watch(cnn, backend="memory")
+    gradtrack.unwatch(cnn)
+    assert first.closed
+    gradtrack.unwatch(cnn)  # no-op
+    gradtrack.watch(cnn, backend="memory").close()
+
+
+def test_parameter_unfrozen_later_is_picked_up() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1):
+        for step in range(4):
+            if step == 2:
+                model[0].requires_grad_(True)
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            optimizer.step()
+    assert [r.layers for r in sink.records] == [("2",), ("2",), ("0", "2"), ("0", "2")]
+
+
+class FailingSink:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        self.calls += 1
+        raise ConnectionError("tracker is down")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_sink_is_reported_once_and_the_others_go_on(cnn: nn.Module) -> None:
+    failing, memory = FailingSink(), MemorySink()
+    optimizer = torch.optim.SGD(cnn.parameters(), lr=0.01)
+    with pytest.warns(RuntimeWarning, match="tracker is down") as caught:
+        with gradtrack.watch(cnn, backend=[failing, memory], optimizer=optimizer, log_every=1) as w:
+            for _ in range(5):
+                train(cnn, 1, optimizer)
+                w.flush()  # one write per step, so the sink fails five times
+    assert len([c for c in caught if "tracker is down" in str(c.message)]) == 1
+    assert failing.calls == 5
+    assert w.sink_errors == {"0:FailingSink": 5, "1:MemorySink": 0}
+    assert [r.step for r in memory.records] == [0, 1, 2, 3, 4]
+
+
+class SlowSink(MemorySink):
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.thread_names: set[str] = set()
+
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        self.thread_names.add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        super().write(batch)
+
+
+def test_full_queue_drops_the_oldest_steps_and_counts_them() -> None:
+    model = nn.Linear(8, 1)
+    slow = SlowSink(delay_s=0.05)
+    with gradtrack.watch(
+        model, backend=slow, log_every=1, queue_size=2, max_batch_steps=1, hist_every=None
+    ) as watcher:
+        for _ in range(40):
+            model(torch.randn(2, 8)).sum().backward()
+    steps = [r.step for r in slow.records]
+    assert watcher.dropped_steps > 0
+    assert len(steps) + watcher.dropped_steps == 40
+    assert steps == sorted(steps) and steps[-1] == 39  # the newest survive, in order
+    assert slow.thread_names == {"gradtrack-worker"}
+
+
+def test_full_queue_can_block_instead_and_then_loses_nothing() -> None:
+    model = nn.Linear(8, 1)
+    slow = SlowSink(delay_s=0.01)
+    with gradtrack.watch(
+        model, backend=slow, log_every=1, queue_size=2, queue_full="block", hist_every=None
+    ) as watcher:
+        for _ in range(30):
+            model(torch.randn(2, 8)).sum().backward()
+    assert watcher.dropped_steps == 0
+    assert [r.step for r in slow.records] == list(range(30))
+
+
+def test_histograms_hold_the_sample_and_increasing_edges(cnn: nn.Module) -> None:
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(cnn.parameters(), lr=0.01)
+    with gradtrack.watch(
+        cnn, backend=sink, optimizer=optimizer, log_every=1, hist_every=1,
+        hist_sample_size=1000, hist_bins=32,
+    ):  # fmt: skip
+        train(cnn, 2, optimizer)
+    for layer, numel in {"0": 448, "3": 4640, "7": 20490}.items():
+        for _, histogram in sink.histograms()[layer]:
+            assert len(histogram.counts) == 32 and len(histogram.edges) == 33
+            assert np.all(np.diff(histogram.edges) > 0)
+            assert histogram.sample_size == min(numel, 1000)
+
+
+def test_nonfinite_samples_never_reach_the_bins() -> None:
+    model = nn.Linear(10, 1, bias=False)
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1, hist_every=1):
+        model(torch.ones(1, 10)).sum().backward()
+        model.weight.grad[0, :3] = float("nan")
+        model.weight.grad[0, 3] = float("inf")
+        optimizer.step()
+    ((_, histogram),) = sink.histograms()["root"]
+    assert histogram.sample_size == 6
+    assert np.isfinite(histogram.edges).all()
+
+
+def test_watch_rejects_models_without_trainable_parameters() -> None:
+    model = nn.Linear(3, 3).requires_grad_(False)
+    with pytest.raises(gradtrack.GradtrackError, match="no trainable parameters"):
+        gradtrack.watch(model)
+    with pytest.raises(gradtrack.GradtrackError, match="no trainable parameters"):
+        gradtrack.watch(nn.ReLU())
+
+
+def test_watch_rejects_what_is_not_a_module() -> None:
+    with pytest.raises(gradtrack.GradtrackError, match="torch.nn.Module"):
+        gradtrack.watch(lambda x: x)  # type: ignore[arg-type]
