@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -24,7 +24,7 @@ from gradtrack.watcher import Watcher, watcher_of
 
 __version__ = "0.1.0"
 
-Backend = Union[str, GradientSink]
+Backend = str | GradientSink
 
 
 def watch(
@@ -69,7 +69,9 @@ def unwatch(model: torch.nn.Module) -> None:
         watcher.close()
 
 
-def _build_sinks(backend: Backend | Sequence[Backend], config: GradtrackConfig) -> list[GradientSink]:
+def _build_sinks(
+    backend: Backend | Sequence[Backend], config: GradtrackConfig
+) -> list[GradientSink]:
     items = [backend] if isinstance(backend, str) or not isinstance(backend, Sequence) else backend
     if not items:
         raise GradtrackError("backend is empty: give a backend name, a GradientSink, or a list")

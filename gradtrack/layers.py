@@ -29,7 +29,9 @@ class Layer:
     params: tuple[nn.Parameter, ...]
 
 
-def _owned_parameters(model: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+def _owned_parameters(
+    model: nn.Module,
+) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
     seen: set[int] = set()
     owners = []
     for module_name, module in model.named_modules():
@@ -71,8 +73,14 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
         if config.granularity == "parameter":
             candidates.extend(Layer(name, type(module), (name,), (p,)) for name, p in own)
         else:
-            names, params = zip(*own)
-            candidates.append(Layer(module_name, type(module), names, params))
+            candidates.append(
+                Layer(
+                    module_name,
+                    type(module),
+                    tuple(name for name, _ in own),
+                    tuple(p for _, p in own),
+                )
+            )
 
     if not candidates:
         kinds = ", ".join(t.__name__ for t in config.module_types)

@@ -74,8 +74,15 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     """The record as flat ``{key: value}`` metrics, with the keys every sink uses.
 
     >>> stats = np.array([[5.0, 4.0, 3.5, 3.54, 2, 0, 0]])
-    >>> sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0)))
-    ['grad/inf_count', 'grad/nan_count', 'grad/total_norm', 'grad_max/fc', 'grad_mean_abs/fc', 'grad_norm/fc', 'grad_rms/fc']
+    >>> for key in sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0))):
+    ...     print(key)
+    grad/inf_count
+    grad/nan_count
+    grad/total_norm
+    grad_max/fc
+    grad_mean_abs/fc
+    grad_norm/fc
+    grad_rms/fc
     """
     metrics = {
         TOTAL_NORM_KEY: record.total_norm,

@@ -49,7 +49,7 @@ class HostPart:
         return self.buffer.numpy()[len(self.tensor_index) * TENSOR_COLUMNS * 2 :]
 
 
-def tensor_norms(grads: Sequence[Tensor]) -> Tensor:
+def tensor_norms(grads: list[Tensor]) -> Tensor:
     """[len(grads), 5] float64: L2 norm, L1 norm, max |g|, then zeros for the NaN/Inf counts.
 
     ``grads`` share one device and dtype, and none is empty. fp16/bf16 accumulate in fp32.
@@ -68,7 +68,7 @@ def tensor_norms(grads: Sequence[Tensor]) -> Tensor:
     return torch.cat([stacked, stacked.new_zeros(len(grads), 2)], dim=1)
 
 
-def nonfinite_counts(grads: Sequence[Tensor]) -> Tensor:
+def nonfinite_counts(grads: list[Tensor]) -> Tensor:
     """[len(grads), 2] float64: exact NaN and Inf counts, in foreach kernels, without a sync.
 
     ``g - g`` is NaN exactly where g is NaN or ±Inf; clamping to [-1, 1] first turns ±Inf
@@ -113,9 +113,7 @@ def sample_elements(
         if count >= flat.numel():
             picked.append(flat)
         elif count > 0:
-            index = torch.randint(
-                flat.numel(), (count,), generator=generator, device=flat.device
-            )
+            index = torch.randint(flat.numel(), (count,), generator=generator, device=flat.device)
             picked.append(flat[index])
     if not picked:
         return torch.empty(0, dtype=torch.float32, device=grads[0].device)
@@ -135,7 +133,7 @@ def copy_to_host(packet: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
     return host, ready
 
 
-def fill_nonfinite_counts(stats: np.ndarray, grads: Sequence[Tensor]) -> None:
+def fill_nonfinite_counts(stats: np.ndarray, grads: list[Tensor]) -> None:
     """Count NaN/Inf exactly in the CPU tensors whose norms came out non-finite.
 
     On finite steps this is one numpy check; CPU tensors need no device synchronisation.
@@ -144,6 +142,6 @@ def fill_nonfinite_counts(stats: np.ndarray, grads: Sequence[Tensor]) -> None:
     if len(bad) == 0:
         return
     counts = torch.stack(
-        [torch.stack([grads[i].isnan().sum(), grads[i].isinf().sum()]) for i in bad]
+        [torch.stack([grads[i].isnan().sum(), grads[i].isinf().sum()]) for i in bad.tolist()]
     )
     stats[bad, NAN:] = counts.numpy()

@@ -12,7 +12,7 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class _Control:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-_Item = Union[PendingStep, _Control]
+_Item = PendingStep | _Control
 
 
 class Mailbox:

@@ -64,3 +64,13 @@ def cnn_batch(batch_size: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.T
     generator = torch.Generator().manual_seed(seed)
     images = torch.randn(batch_size, 3, 32, 32, generator=generator)
     return images, torch.randint(10, (batch_size,), generator=generator)
+
+
+class NoUpdate(torch.optim.Optimizer):
+    """A real optimizer whose step changes nothing: injected NaN never reaches the weights."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        super().__init__(params, defaults={})
+
+    def step(self, closure: object = None) -> None:
+        return None

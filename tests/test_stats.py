@@ -40,7 +40,9 @@ def one_step(
 
 def mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    ).to(dtype)
 
 
 def mlp_loss(model: nn.Module) -> torch.Tensor:
@@ -64,7 +66,9 @@ def expected_by_module(model: nn.Module, names: list[str]) -> dict[str, dict[str
     ("dtype", "rtol"),
     [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)],
 )
-def test_statistics_match_reference_per_dtype(dtype: torch.dtype, rtol: float, strategy: str) -> None:
+def test_statistics_match_reference_per_dtype(
+    dtype: torch.dtype, rtol: float, strategy: str
+) -> None:
     model = mlp(dtype)
     record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy])
     assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]), rtol=rtol)
@@ -78,7 +82,9 @@ def test_fp16_gradients_whose_norm_overflows_fp16_are_reduced_in_fp32() -> None:
     def big_grads(m: nn.Module) -> None:
         m.weight.grad.fill_(60000.0)  # each element fits fp16, the norm (1.9e6) does not
 
-    record = one_step(model, lambda m: m(torch.ones(1, 1000).half()).float().sum(), before_step=big_grads)
+    record = one_step(
+        model, lambda m: m(torch.ones(1, 1000).half()).float().sum(), before_step=big_grads
+    )
     assert record.column("norm")[0] == pytest.approx(60000.0 * 1000**0.5, rel=1e-3)
     assert record.column("inf")[0] == 0
 

@@ -72,7 +72,10 @@ def test_gradient_accumulation_summarises_the_accumulated_gradient(cnn: nn.Modul
                 (nn.functional.cross_entropy(cnn(images), labels) / 4).backward()
             modules = dict(cnn.named_modules())
             expected.append(
-                {n: reference_stats(p.grad for p in modules[n].parameters()) for n in ("0", "3", "7")}
+                {
+                    n: reference_stats(p.grad for p in modules[n].parameters())
+                    for n in ("0", "3", "7")
+                }
             )
             optimizer.step()
     assert [r.step for r in sink.records] == [0, 1, 2]
@@ -251,5 +254,5 @@ def test_watch_rejects_models_without_trainable_parameters() -> None:
 
 
 def test_watch_rejects_what_is_not_a_module() -> None:
-    with pytest.raises(gradtrack.GradtrackError, match="torch.nn.Module"):
+    with pytest.raises(gradtrack.GradtrackError, match=r"torch\.nn\.Module"):
         gradtrack.watch(lambda x: x)  # type: ignore[arg-type]

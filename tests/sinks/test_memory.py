@@ -1,0 +1,37 @@
+"""The memory sink and the metric keys every sink shares."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.sinks import MemorySink
+from tests.conftest import NoUpdate
+
+
+def test_scalars_use_the_shared_keys_and_nonfinite_keys_only_where_nonzero() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    sink = MemorySink()
+    optimizer = NoUpdate(model.parameters())
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1):
+        for step in range(3):
+            optimizer.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            if step == 1:
+                model[0].weight.grad[0, 0] = float("nan")
+                model[0].weight.grad[0, 1] = float("inf")
+            optimizer.step()
+    scalars = sink.scalars()
+    per_layer = {
+        f"{prefix}/{layer}"
+        for prefix in ("grad_norm", "grad_max", "grad_mean_abs", "grad_rms")
+        for layer in ("0", "2")
+    }
+    totals = {"grad/total_norm", "grad/nan_count", "grad/inf_count"}
+    assert set(scalars) == {*totals, "grad_nan/0", "grad_inf/0", *per_layer}
+    assert scalars["grad_nan/0"] == [(1, 1.0)] and scalars["grad_inf/0"] == [(1, 1.0)]
+    assert scalars["grad/nan_count"] == [(0, 0.0), (1, 1.0), (2, 0.0)]
+    assert [step for step, _ in scalars["grad_norm/2"]] == [0, 1, 2]
+    norms = dict(scalars["grad/total_norm"])
+    assert norms[0] > 0 and norms[1] != norms[1]  # NaN at the poisoned step

@@ -1,0 +1,134 @@
+"""Configuration: every source, the precedence between them, and errors that say what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import gradtrack
+from gradtrack.config import GradtrackConfig, load_config
+from gradtrack.errors import GradtrackConfigError
+
+
+def test_defaults() -> None:
+    config = load_config(environ={})
+    assert (config.log_every, config.hist_every, config.hist_bins) == (10, 100, 64)
+    assert config.queue_full == "drop_oldest" and config.granularity == "layer"
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("c.toml", 'log_every = 3\ninclude = ["enc*"]\nmodule_types = ["Linear"]\n'),
+        ("c.yaml", "log_every: 3\ninclude: [enc*]\nmodule_types: [Linear]\n"),
+        ("c.json", '{"log_every": 3, "include": ["enc*"], "module_types": ["Linear"]}'),
+    ],
+)
+def test_config_files(tmp_path: Path, name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    config = load_config(path, environ={})
+    assert config.log_every == 3 and config.include == ("enc*",)
+    assert config.module_types == (nn.Linear,)
+
+
+def test_precedence_file_env_config_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "gradtrack.toml"
+    path.write_text("log_every = 2\nhist_every = 7\nhist_bins = 9\nseed = 5\n")
+    environ = {
+        "GRADTRACK_CONFIG": str(path),
+        "GRADTRACK_HIST_EVERY": "11",
+        "GRADTRACK_HIST_BINS": "13",
+    }
+    config = load_config({"hist_bins": 17, "seed": 6}, {"seed": 8}, environ=environ)
+    assert config.log_every == 2  # file
+    assert config.hist_every == 11  # env beats file
+    assert config.hist_bins == 17  # config= beats env
+    assert config.seed == 8  # keyword override beats everything
+
+
+def test_environment_values_are_parsed() -> None:
+    environ = {
+        "GRADTRACK_HIST_EVERY": "none",
+        "GRADTRACK_EXCLUDE": "head.*, *.bias",
+        "GRADTRACK_MODULE_TYPES": "Linear,torch.nn.Conv2d",
+        "GRADTRACK_QUEUE_FULL": "block",
+        "OTHER_LOG_EVERY": "x",
+    }
+    config = load_config(environ=environ)
+    assert config.hist_every is None and config.exclude == ("head.*", "*.bias")
+    assert config.module_types == (nn.Linear, nn.Conv2d) and config.queue_full == "block"
+
+
+def test_a_config_object_only_contributes_what_was_set() -> None:
+    config = load_config(GradtrackConfig(log_every=4), environ={"GRADTRACK_HIST_BINS": "8"})
+    assert (config.log_every, config.hist_bins) == (4, 8)
+
+
+def test_misspelt_field_names_the_field_and_suggests_the_right_one() -> None:
+    with pytest.raises(GradtrackConfigError) as error:
+        load_config(overrides={"log_evry": 5}, environ={})
+    message = str(error.value)
+    assert "unknown field 'log_evry'" in message and "did you mean 'log_every'" in message
+    assert "keyword argument" in message
+
+
+def test_misspelt_environment_variable_is_named() -> None:
+    with pytest.raises(GradtrackConfigError, match="GRADTRACK_LOGEVERY"):
+        load_config(environ={"GRADTRACK_LOGEVERY": "5"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"log_every": 0}, r"log_every = 0 .*greater than 0"),
+        ({"queue_full": "wait"}, r"queue_full = 'wait' .*'drop_oldest' or 'block'"),
+        ({"granularity": "module"}, r"granularity = 'module' .*'layer' or 'parameter'"),
+        ({"module_types": ["Linaer"]}, r"no module type 'Linaer'.*Linear"),
+        ({"module_types": [int]}, r"module_types.0 = <class 'int'> .*subclass of Module"),
+        ({"hist_bins": 1}, r"hist_bins = 1 .*greater than or equal to 2"),
+    ],
+)
+def test_invalid_values_name_field_value_and_what_is_allowed(
+    overrides: dict[str, object], expected: str
+) -> None:
+    with pytest.raises(GradtrackConfigError, match=expected):
+        load_config(overrides=overrides, environ={})
+
+
+def test_watch_raises_config_errors_before_touching_the_model() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(GradtrackConfigError, match="log_every"):
+        gradtrack.watch(model, log_every=0)
+    gradtrack.watch(model, backend="memory").close()  # nothing was left registered
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("bad.toml", "log_every = = 3"),
+        ("bad.yaml", "log_every: [3"),
+        ("bad.json", "{log_every: 3}"),
+    ],
+)
+def test_a_config_file_that_does_not_parse(tmp_path: Path, name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(GradtrackConfigError, match=f"cannot parse gradtrack config file .*{name}"):
+        load_config(path, environ={})
+
+
+def test_config_file_problems(tmp_path: Path) -> None:
+    with pytest.raises(GradtrackConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml", environ={})
+    (tmp_path / "c.ini").write_text("x")
+    with pytest.raises(GradtrackConfigError, match=r"must end in \.toml"):
+        load_config(tmp_path / "c.ini", environ={})
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(GradtrackConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml", environ={})
+    (tmp_path / "typo.toml").write_text("hist_evry = 3\n")
+    with pytest.raises(GradtrackConfigError, match=r"hist_evry.*from file .*typo.toml"):
+        load_config(tmp_path / "typo.toml", environ={})
