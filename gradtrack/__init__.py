@@ -10,15 +10,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from gradtrack.alerts import AlertEvent
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
-from gradtrack.errors import GradtrackConfigError, GradtrackError
+from gradtrack.errors import GradientAlertError, GradtrackConfigError, GradtrackError
 from gradtrack.histogram import Histogram
 from gradtrack.record import LayerStats, StepRecord
+from gradtrack.rules import AlertRules
 from gradtrack.sinks import GradientSink, create_sink, register_sink
 from gradtrack.watcher import Watcher, watcher_of
 
@@ -32,6 +34,9 @@ def watch(
     backend: Backend | Sequence[Backend] = "console",
     optimizer: torch.optim.Optimizer | None = None,
     config: ConfigSource = None,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    on_alert: Callable[[AlertEvent], None] | None = None,
     **overrides: Any,
 ) -> Watcher:
     """Watch ``model``'s gradients and stream per-layer summaries to ``backend``.
@@ -40,6 +45,9 @@ def watch(
     list of either. With ``optimizer`` there is one step per ``optimizer.step()`` (right for
     gradient accumulation), else one per backward. ``config`` is a `GradtrackConfig`, a dict or
     a config file; keyword ``overrides`` (``log_every=1``) win over everything else.
+    With a ``scaler`` (`torch.amp.GradScaler`) a step is one ``scaler.update()``: gradients
+    are reported unscaled and overflow-skipped steps become ``amp`` events. ``on_alert`` is
+    called with every `AlertEvent`, from gradtrack's worker thread.
 
     >>> model = torch.nn.Linear(3, 1)
     >>> watcher = watch(model, backend="memory", log_every=50)
@@ -50,7 +58,7 @@ def watch(
         raise GradtrackError(f"gradtrack.watch needs a torch.nn.Module, not {type(model).__name__}")
     sinks = _build_sinks(backend, resolved)
     try:
-        return Watcher(model, sinks, resolved, optimizer)
+        return Watcher(model, sinks, resolved, optimizer, scaler=scaler, on_alert=on_alert)
     except BaseException:
         for sink in sinks:
             sink.close()
@@ -84,12 +92,15 @@ def _build_sinks(
         else:
             raise GradtrackError(
                 f"backend {item!r} is neither a registered name nor a GradientSink "
-                "(an object with write, flush and close methods)"
+                "(an object with write, alert, flush and close methods)"
             )
     return sinks
 
 
 __all__ = [
+    "AlertEvent",
+    "AlertRules",
+    "GradientAlertError",
     "GradientSink",
     "GradtrackConfig",
     "GradtrackConfigError",

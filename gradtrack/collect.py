@@ -44,8 +44,11 @@ class Collector:
         # device without a sync: what accelerators need. None: on every device but the CPU.
         self.foreach_only: bool | None = None
 
-    def collect(self, with_samples: bool) -> list[HostPart]:
-        """Reduce every present gradient; one `HostPart` per device (usually one)."""
+    def collect(self, with_samples: bool, flags: Tensor | None = None) -> list[HostPart]:
+        """Reduce every present gradient; one `HostPart` per device (usually one).
+
+        ``flags``, a small float64 tensor of step evidence, rides along in the first part.
+        """
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[Tensor]]]
         groups = defaultdict(lambda: ([], []))
         with torch.no_grad():
@@ -64,13 +67,17 @@ class Collector:
             by_device: dict[torch.device, list[tuple[list[int], list[Tensor]]]] = defaultdict(list)
             for (device, _), group in groups.items():
                 by_device[device].append(group)
-            return [self._reduce_device(device, g, with_samples) for device, g in by_device.items()]
+            return [
+                self._reduce_device(device, group, with_samples, flags if i == 0 else None)
+                for i, (device, group) in enumerate(by_device.items())
+            ]
 
     def _reduce_device(
         self,
         device: torch.device,
         groups: list[tuple[list[int], list[Tensor]]],
         with_samples: bool,
+        flags: Tensor | None,
     ) -> HostPart:
         foreach_only = self.foreach_only
         if foreach_only is None:
@@ -86,7 +93,10 @@ class Collector:
                 samples.append(sample_elements(grads, counts.tolist(), self._generator(device)))
             all_grads.extend(grads)
         tensor_index = np.concatenate([np.asarray(indices) for indices, _ in groups])
-        pieces = [torch.cat(stats).view(torch.float32).reshape(-1), *samples]
+        float64 = [torch.cat(stats).reshape(-1)]
+        if flags is not None:
+            float64.append(flags.to(device, torch.float64, non_blocking=True))
+        pieces = [torch.cat(float64).view(torch.float32), *samples]
         buffer, ready = copy_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
         self.host_transfers += 1
         part = HostPart(
@@ -98,6 +108,7 @@ class Collector:
             ),
             buffer=buffer,
             ready=ready,
+            n_flags=0 if flags is None else flags.numel(),
         )
         if not foreach_only:
             fill_nonfinite_counts(part.stats(), all_grads)

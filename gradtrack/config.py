@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from gradtrack.errors import GradtrackConfigError
+from gradtrack.rules import AlertRules
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,6 +49,9 @@ class GradtrackConfig(BaseModel):
     hist_sample_size: PositiveInt = Field(
         4096, description="Gradient elements sampled per layer for a histogram."
     )
+    hist_scale: Literal["linear", "log"] = Field(
+        "linear", description="Bin gradient values, or log10 |g| for gradients spanning decades."
+    )
     granularity: Literal["layer", "parameter"] = Field(
         "layer", description="Summarise per module that owns parameters, or per parameter."
     )
@@ -66,6 +70,7 @@ class GradtrackConfig(BaseModel):
         5.0, ge=0, description="The console sink prints a table at most this often."
     )
     seed: int = Field(0, description="Seed of gradtrack's own sampling generator.")
+    alerts: AlertRules = Field(default_factory=AlertRules, description="Alert rules.")
 
     @field_validator("include", "exclude", mode="before")
     @classmethod
@@ -144,13 +149,29 @@ def _env_value(field: str, raw: str) -> Any:
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Config fields from ``GRADTRACK_<FIELD>`` variables (``GRADTRACK_CONFIG`` names a file)."""
+    """Config fields from ``GRADTRACK_<FIELD>`` variables (``GRADTRACK_CONFIG`` names a file).
+
+    A double underscore reaches into a nested field: ``GRADTRACK_ALERTS__EXPLODING__THRESHOLD``.
+    """
     values: dict[str, Any] = {}
     for name, raw in environ.items():
         if name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
-            field = name[len(ENV_PREFIX) :].lower()
-            values[field] = _env_value(field, raw)
+            path = name[len(ENV_PREFIX) :].lower().split("__")
+            target = values
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = _env_value(path[-1], raw)
     return values
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def load_config(
@@ -170,7 +191,7 @@ def load_config(
         layers.append((f"file {path} (from {ENV_CONFIG_FILE})", read_config_file(path)))
     layers.append(("environment variable", read_env(environ)))
     if isinstance(config, GradtrackConfig):
-        layers.append(("config object", config.model_dump(exclude_unset=True)))
+        layers.append(("config object", _explicit_fields(config)))
     elif isinstance(config, (str, os.PathLike)):
         layers.append((f"file {config}", read_config_file(config)))
     elif isinstance(config, Mapping):
@@ -185,13 +206,23 @@ def load_config(
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for source, values in layers:
+        merged = _merge(merged, values)
         for key, value in values.items():
-            merged[key] = value
-            origin[key] = (ENV_PREFIX + key.upper()) if source == "environment variable" else source
+            env_name = ENV_PREFIX + key.upper() + ("__*" if isinstance(value, Mapping) else "")
+            origin[key] = env_name if source == "environment variable" else source
     try:
         return GradtrackConfig(**merged)
     except ValidationError as exc:
         raise GradtrackConfigError(_describe(exc, origin)) from None
+
+
+def _explicit_fields(model: BaseModel) -> dict[str, Any]:
+    """The fields set explicitly, nested models included (so they merge field by field)."""
+    fields: dict[str, Any] = {}
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        fields[name] = _explicit_fields(value) if isinstance(value, BaseModel) else value
+    return fields
 
 
 def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:

@@ -12,3 +12,15 @@ class GradtrackError(RuntimeError):
 
 class GradtrackConfigError(GradtrackError, ValueError):
     """A configuration value, file or environment variable is invalid."""
+
+
+class GradientAlertError(GradtrackError):
+    """Raised in the training thread by an alert rule whose action is ``"raise"``.
+
+    ``event`` is the `AlertEvent` that tripped; with an optimizer the error comes out of
+    ``optimizer.step()`` before the bad gradient is applied.
+    """
+
+    def __init__(self, event: object) -> None:
+        super().__init__(getattr(event, "message", str(event)))
+        self.event = event

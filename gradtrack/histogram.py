@@ -14,26 +14,40 @@ import numpy as np
 class Histogram:
     """Bin edges (``bins + 1``, increasing) and counts of one layer's sampled gradient.
 
-    ``counts.sum() == sample_size``: the finite elements of the sample.
+    With ``scale="log"`` the bins are over log10 |g|, and exact zeros, which have no
+    logarithm, are counted in ``zeros``. ``sample_size`` counts the finite sampled elements.
     """
 
     edges: np.ndarray
     counts: np.ndarray
+    scale: str = "linear"
+    zeros: int = 0
 
     @property
     def sample_size(self) -> int:
-        return int(self.counts.sum())
+        return int(self.counts.sum()) + self.zeros
 
 
-def bin_samples(samples: np.ndarray, bins: int) -> Histogram | None:
+def bin_samples(samples: np.ndarray, bins: int, scale: str = "linear") -> Histogram | None:
     """Bin the finite values of ``samples`` into ``bins`` equal-width bins; None if none are finite.
 
     >>> h = bin_samples(np.array([0.0, 1.0, 1.0, np.nan]), bins=2)
     >>> h.counts.tolist(), h.edges.tolist()
     ([1, 2], [0.0, 0.5, 1.0])
+    >>> h = bin_samples(np.array([0.0, -1e-6, 1e-3, 10.0]), bins=3, scale="log")
+    >>> h.counts.tolist(), h.edges.tolist(), h.zeros
+    ([1, 1, 1], [-6.0, -3.666..., -1.333..., 1.0], 1)
     """
     finite = samples[np.isfinite(samples)].astype(np.float64, copy=False)
     if finite.size == 0:
         return None
+    if scale == "log":
+        magnitude = np.abs(finite)
+        nonzero = magnitude[magnitude > 0]
+        zeros = int(finite.size - nonzero.size)
+        if nonzero.size == 0:
+            return Histogram(np.array([0.0, 1.0]), np.zeros(1, dtype=np.int64), scale, zeros)
+        counts, edges = np.histogram(np.log10(nonzero), bins=bins)
+        return Histogram(edges, counts.astype(np.int64), scale, zeros)
     counts, edges = np.histogram(finite, bins=bins)
     return Histogram(edges=edges, counts=counts.astype(np.int64))

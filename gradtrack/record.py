@@ -19,6 +19,8 @@ STAT_COLUMNS = ("norm", "max_abs", "mean_abs", "rms", "numel", "nan", "inf")
 TOTAL_NORM_KEY = "grad/total_norm"
 TOTAL_NAN_KEY = "grad/nan_count"
 TOTAL_INF_KEY = "grad/inf_count"
+MIN_LAYER_NORM_KEY = "grad/min_layer_norm"
+MAX_LAYER_NORM_KEY = "grad/max_layer_norm"
 # Metric family per statistic; NaN/Inf families appear only where the count is non-zero.
 LAYER_KEY_PREFIX = {
     "norm": "grad_norm",
@@ -51,6 +53,13 @@ class StepRecord:
     stats: np.ndarray
     total_norm: float
     histograms: Mapping[str, Histogram] = field(default_factory=dict)
+    # Forward/loss evidence for non-finite origins: None where it was not observed.
+    output_finite: bool | None = None
+    output_grad_finite: bool | None = None
+    # With a GradScaler: whether it skipped this step, and its scale before/after.
+    amp_skipped: bool | None = None
+    amp_scale: float | None = None
+    amp_scale_after: float | None = None
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -60,6 +69,15 @@ class StepRecord:
             name: LayerStats(*row[:4].tolist(), *(int(v) for v in row[4:]))
             for name, row in zip(self.layers, self.stats)
         }
+
+    def extreme_layers(self) -> tuple[tuple[str, float], tuple[str, float]] | None:
+        """(weakest, strongest) layer by finite gradient norm: where flow bottlenecks."""
+        norms = self.column("norm")
+        finite = np.flatnonzero(np.isfinite(norms))
+        if len(finite) == 0:
+            return None
+        low, high = finite[np.argmin(norms[finite])], finite[np.argmax(norms[finite])]
+        return (self.layers[low], float(norms[low])), (self.layers[high], float(norms[high]))
 
     @property
     def nan_count(self) -> int:
@@ -77,6 +95,8 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     >>> for key in sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0))):
     ...     print(key)
     grad/inf_count
+    grad/max_layer_norm
+    grad/min_layer_norm
     grad/nan_count
     grad/total_norm
     grad_max/fc
@@ -89,6 +109,10 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
         TOTAL_NAN_KEY: float(record.nan_count),
         TOTAL_INF_KEY: float(record.inf_count),
     }
+    extremes = record.extreme_layers()
+    if extremes is not None:
+        metrics[MIN_LAYER_NORM_KEY] = extremes[0][1]
+        metrics[MAX_LAYER_NORM_KEY] = extremes[1][1]
     for stat, prefix in LAYER_KEY_PREFIX.items():
         for layer, value in zip(record.layers, record.column(stat).tolist()):
             metrics[f"{prefix}/{layer}"] = value

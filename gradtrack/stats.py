@@ -27,26 +27,35 @@ _COUNT_CHUNK_ELEMENTS = 1 << 25
 class HostPart:
     """What one device hands to the worker for one step: rows and samples, in one buffer.
 
-    ``buffer`` holds the [rows, 5] float64 statistics reinterpreted as float32, followed by
-    the float32 gradient samples; ``ready`` is set once the copy into it has completed.
+    ``buffer`` holds the [rows, 5] float64 statistics and ``n_flags`` float64 step flags,
+    reinterpreted as float32, then the float32 gradient samples; ``ready`` is set once the
+    copy into it has completed.
     """
 
     tensor_index: np.ndarray
     sample_counts: np.ndarray | None
     buffer: Tensor
     ready: torch.cuda.Event | None
+    n_flags: int = 0
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
 
+    def _float64(self) -> np.ndarray:
+        words = (len(self.tensor_index) * TENSOR_COLUMNS + self.n_flags) * 2
+        return self.buffer.numpy()[:words].view(np.float64)
+
     def stats(self) -> np.ndarray:
         rows = len(self.tensor_index)
-        flat = self.buffer.numpy()[: rows * TENSOR_COLUMNS * 2]
-        return flat.view(np.float64).reshape(rows, TENSOR_COLUMNS)
+        return self._float64()[: rows * TENSOR_COLUMNS].reshape(rows, TENSOR_COLUMNS)
+
+    def flags(self) -> np.ndarray:
+        return self._float64()[len(self.tensor_index) * TENSOR_COLUMNS :]
 
     def samples(self) -> np.ndarray:
-        return self.buffer.numpy()[len(self.tensor_index) * TENSOR_COLUMNS * 2 :]
+        words = (len(self.tensor_index) * TENSOR_COLUMNS + self.n_flags) * 2
+        return self.buffer.numpy()[words:]
 
 
 def tensor_norms(grads: list[Tensor], foreach_only: bool = True) -> Tensor:

@@ -6,10 +6,11 @@ Built by `gradtrack.watch`; closing it removes every hook it added and flushes t
 from __future__ import annotations
 
 import atexit
+import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -17,12 +18,16 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
-from gradtrack.errors import GradtrackError
+from gradtrack.errors import GradientAlertError, GradtrackError
+from gradtrack.hooks import BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.layers import discover_layers
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, PendingStep, Worker
+
+AlertCallback = Callable[[AlertEvent], None]
 
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, Watcher] = weakref.WeakKeyDictionary()
 _OPEN: weakref.WeakSet[Watcher] = weakref.WeakSet()
@@ -31,8 +36,9 @@ _OPEN: weakref.WeakSet[Watcher] = weakref.WeakSet()
 class Watcher:
     """Watches one model's gradients until closed. Use it as a context manager or call `close`.
 
-    ``step`` counts optimizer steps when an optimizer is given, else backward passes; a step
-    ``s`` is summarised when ``s % log_every == 0`` and sampled when ``s % hist_every == 0``.
+    ``step`` counts ``scaler.update()`` calls when a GradScaler is given, else optimizer steps
+    when an optimizer is given, else backward passes; a step ``s`` is summarised when
+    ``s % log_every == 0`` and sampled when ``s % hist_every == 0``.
     """
 
     def __init__(
@@ -41,6 +47,9 @@ class Watcher:
         sinks: Sequence[GradientSink],
         config: GradtrackConfig,
         optimizer: torch.optim.Optimizer | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        on_alert: AlertCallback | None = None,
+        rank: int = 0,
     ) -> None:
         if model in _WATCHED:
             raise GradtrackError(
@@ -52,20 +61,38 @@ class Watcher:
         self.layers = discover_layers(model, config)
         self.collector = Collector(self.layers, config.hist_sample_size, config.seed)
         self.mailbox = Mailbox(config.queue_size, config.queue_full)
+        self.alert_engine = AlertEngine(config.alerts, self.collector.layer_names, rank)
+        self._raise_on_alert = "raise" in config.alerts.actions()
+        self.alert_error: GradientAlertError | None = None
         self.worker = Worker(
-            self.collector, sinks, self.mailbox, config.hist_bins, config.max_batch_steps
+            self.collector,
+            sinks,
+            self.mailbox,
+            config,
+            self.alert_engine,
+            on_alert=on_alert,
+            on_raise=self._remember_alert_error,
         )
         self.step = 0
         self.collect_errors = 0
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
         self._handles: list[RemovableHandle] = []
-        if optimizer is not None:
+        self._scaler_tap = None if scaler is None else ScalerTap(scaler, self._step_boundary)
+        if self._scaler_tap is None and optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
-        else:
+        elif self._scaler_tap is None:
             for param in self.collector.params:
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+        layer_of = {
+            id(p): int(i) for p, i in zip(self.collector.params, self.collector.tensor_layer)
+        }
+        self._order_probe: BackwardOrderProbe | None = BackwardOrderProbe(
+            self.collector.params, layer_of
+        )
+        self._output_probe = OutputProbe(model, self._next_step_is_due)
+        self._handles.append(self._output_probe.handle)
         _WATCHED[model] = self
         _OPEN.add(self)
 
@@ -108,14 +135,21 @@ class Watcher:
     def _before_optimizer_step(self, *_: Any) -> None:
         self._step_boundary()
 
+    def _next_step_is_due(self) -> bool:
+        return self._is_due(self.step) != (False, False)
+
+    def _is_due(self, step: int) -> tuple[bool, bool]:
+        hist_every = self.config.hist_every
+        return step % self.config.log_every == 0, hist_every is not None and step % hist_every == 0
+
     def _step_boundary(self) -> None:
         step, self.step = self.step, self.step + 1
-        hist_every = self.config.hist_every
-        with_samples = hist_every is not None and step % hist_every == 0
-        if step % self.config.log_every and not with_samples:
+        backward_order = self._finish_order_probe()
+        logged, with_samples = self._is_due(step)
+        if not (logged or with_samples):
             return
         try:
-            parts = self.collector.collect(with_samples)
+            parts = self.collector.collect(with_samples, self._evidence())
         except Exception as exc:  # watching must never crash training
             self.collect_errors += 1
             if self.collect_errors == 1:
@@ -125,8 +159,46 @@ class Watcher:
                     stacklevel=2,
                 )
             return
-        if parts:
-            self.mailbox.put_step(PendingStep(step, time.time(), parts))
+        if not parts:
+            return
+        pending = PendingStep(step, time.time(), parts, backward_order)
+        if not self._raise_on_alert:
+            self.mailbox.put_step(pending)
+            return
+        # A "raise" rule must see this step before the optimizer applies it: wait for the worker.
+        pending.evaluated = threading.Event()
+        self.mailbox.put_step(pending, wait_for_room=True)
+        pending.evaluated.wait(self.config.flush_timeout_s)
+        if self.alert_error is not None:
+            error, self.alert_error = self.alert_error, None
+            raise error
+
+    def _remember_alert_error(self, event: AlertEvent) -> None:
+        if self.alert_error is None:
+            self.alert_error = GradientAlertError(event)
+
+    def _finish_order_probe(self) -> list[int] | None:
+        probe = self._order_probe
+        if probe is None or not probe.order:
+            return None
+        probe.remove()
+        self._order_probe = None
+        return probe.order
+
+    def _evidence(self) -> torch.Tensor | None:
+        """Step flags as one float64 tensor: output finite, output grad finite, and the
+        GradScaler's found-inf, scale and next scale (NaN where unknown)."""
+        values: list[torch.Tensor | None] = [*self._output_probe.take(), None, None, None]
+        if self._scaler_tap is not None:
+            values[2:] = self._scaler_tap.evidence() or (None, None, None)
+        known = [v for v in values if v is not None]
+        if not known:
+            return None
+        device = known[0].device
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+        return torch.stack(
+            [nan if v is None else v.to(device, torch.float64, non_blocking=True) for v in values]
+        )
 
     # -- lifecycle ----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -141,6 +213,10 @@ class Watcher:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._order_probe is not None:
+            self._order_probe.remove()
+        if self._scaler_tap is not None:
+            self._scaler_tap.remove()
         model = self.model_ref()
         if model is not None and _WATCHED.get(model) is self:
             del _WATCHED[model]

@@ -10,13 +10,15 @@ import logging
 import threading
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.collect import Collector
+from gradtrack.config import GradtrackConfig
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.record import StepRecord, summarise_layers
 from gradtrack.sinks.base import GradientSink
@@ -32,6 +34,8 @@ class PendingStep:
     step: int
     wall_time: float
     parts: list[HostPart]
+    backward_order: list[int] | None = None  # layer indices, once learnt
+    evaluated: threading.Event | None = None  # set once alert rules have seen the step
 
 
 @dataclass
@@ -54,9 +58,9 @@ class Mailbox:
         self._steps = 0
         self._changed = threading.Condition()
 
-    def put_step(self, item: PendingStep) -> None:
+    def put_step(self, item: PendingStep, wait_for_room: bool = False) -> None:
         with self._changed:
-            if self.when_full == "block":
+            if self.when_full == "block" or wait_for_room:
                 self._changed.wait_for(lambda: self._steps < self.capacity)
             while self._steps >= self.capacity:
                 oldest = next(i for i, x in enumerate(self._items) if isinstance(x, PendingStep))
@@ -95,16 +99,23 @@ class Worker:
         collector: Collector,
         sinks: Sequence[GradientSink],
         mailbox: Mailbox,
-        hist_bins: int,
-        max_batch_steps: int,
+        config: GradtrackConfig,
+        alert_engine: AlertEngine,
+        on_alert: Callable[[AlertEvent], None] | None = None,
+        on_raise: Callable[[AlertEvent], None] | None = None,
     ) -> None:
         self.sinks = list(sinks)
         self.sink_errors = [0] * len(self.sinks)
         self.record_errors = 0
+        self.callback_errors = 0
+        self.alert_engine = alert_engine
         self._collector = collector
         self._mailbox = mailbox
-        self._hist_bins = hist_bins
-        self._max_batch_steps = max_batch_steps
+        self._hist_bins = config.hist_bins
+        self._hist_scale = config.hist_scale
+        self._max_batch_steps = config.max_batch_steps
+        self._on_alert = on_alert
+        self._on_raise = on_raise
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
 
@@ -119,34 +130,70 @@ class Worker:
     def _run(self) -> None:
         while True:
             records: list[StepRecord] = []
+            events: list[AlertEvent] = []
             for item in self._mailbox.take(self._max_batch_steps):
                 if isinstance(item, PendingStep):
-                    record = self._build_guarded(item)
-                    if record is not None:
-                        records.append(record)
+                    self._process(item, records, events)
                     continue
-                self._deliver("write", records)
-                records = []
+                self._hand_over(records, events)
+                records, events = [], []
                 self._deliver("flush")
                 if item.kind == "stop":
                     self._deliver("close")
                     item.done.set()
                     return
                 item.done.set()
-            self._deliver("write", records)
+            self._hand_over(records, events)
 
-    def _build_guarded(self, pending: PendingStep) -> StepRecord | None:
+    def _process(
+        self, pending: PendingStep, records: list[StepRecord], events: list[AlertEvent]
+    ) -> None:
         try:
-            return self.build_record(pending)
+            if pending.backward_order is not None:
+                names = self._collector.layer_names
+                self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
+            record = self.build_record(pending)
+            records.append(record)
+            for event in self.alert_engine.evaluate(record):
+                events.append(event)
+                self._act(event)
         except Exception as exc:  # a bug here must not stop the worker
             self.record_errors += 1
             if self.record_errors == 1:
                 _report(f"gradtrack could not summarise step {pending.step}: {exc!r}")
-            return None
+        finally:
+            if pending.evaluated is not None:
+                pending.evaluated.set()
+
+    def _act(self, event: AlertEvent) -> None:
+        action = self.alert_engine.rule(event.rule, event.layer).action
+        if event.severity == "info":
+            action = "log"
+        if action == "warn":
+            logger.warning("%s", event.message)
+            try:
+                warnings.warn(event.message, GradientWarning, stacklevel=2)
+            except Exception:  # warnings turned into errors must not kill the worker thread
+                pass
+        elif action == "raise" and self._on_raise is not None:
+            self._on_raise(event)
+        if self._on_alert is not None:
+            try:
+                self._on_alert(event)
+            except Exception as exc:
+                self.callback_errors += 1
+                if self.callback_errors == 1:
+                    _report(f"gradtrack's on_alert callback failed: {exc!r}")
+
+    def _hand_over(self, records: list[StepRecord], events: list[AlertEvent]) -> None:
+        self._deliver("write", records)
+        for event in events:
+            self._deliver("alert", event)
 
     def build_record(self, pending: PendingStep) -> StepRecord:
         for part in pending.parts:
             part.wait()
+        flags = pending.parts[0].flags()
         collector = self._collector
         index = np.concatenate([part.tensor_index for part in pending.parts])
         layers, stats, total_norm = summarise_layers(
@@ -162,6 +209,7 @@ class Worker:
             stats=stats,
             total_norm=total_norm,
             histograms=self._histograms(pending.parts),
+            **_evidence(flags),
         )
 
     def _histograms(self, parts: Sequence[HostPart]) -> dict[str, Histogram]:
@@ -175,17 +223,17 @@ class Worker:
                 per_layer.setdefault(layer, []).append(piece)
         histograms = {}
         for layer, pieces in sorted(per_layer.items()):
-            histogram = bin_samples(np.concatenate(pieces), self._hist_bins)
+            histogram = bin_samples(np.concatenate(pieces), self._hist_bins, self._hist_scale)
             if histogram is not None:
                 histograms[self._collector.layer_names[layer]] = histogram
         return histograms
 
-    def _deliver(self, method: str, records: Sequence[StepRecord] = ()) -> None:
-        if method == "write" and not records:
+    def _deliver(self, method: str, *args: Any) -> None:
+        if method == "write" and not args[0]:
             return
         for i, sink in enumerate(self.sinks):
             try:
-                getattr(sink, method)(*((records,) if method == "write" else ()))
+                getattr(sink, method)(*args)
             except Exception as exc:  # one broken sink must not stop the others
                 self.sink_errors[i] += 1
                 if self.sink_errors[i] == 1:
@@ -193,6 +241,26 @@ class Worker:
                         f"gradtrack sink {type(sink).__name__}.{method} failed: {exc!r}; "
                         "training and the other sinks go on, further errors are only counted"
                     )
+
+
+def _evidence(flags: np.ndarray) -> dict[str, Any]:
+    """StepRecord fields from the step flags (see `Watcher._evidence`)."""
+    if len(flags) == 0:
+        return {}
+    output, output_grad, found_inf, scale, scale_after = (
+        None if np.isnan(v) else float(v) for v in flags
+    )
+    return {
+        "output_finite": None if output is None else bool(output),
+        "output_grad_finite": None if output_grad is None else bool(output_grad),
+        "amp_skipped": None if found_inf is None else found_inf > 0,
+        "amp_scale": scale,
+        "amp_scale_after": scale_after,
+    }
+
+
+class GradientWarning(RuntimeWarning):
+    """An alert whose rule's action is ``"warn"``."""
 
 
 def _report(message: str) -> None:

@@ -156,6 +156,9 @@ class FailingSink:
         self.calls += 1
         raise ConnectionError("tracker is down")
 
+    def alert(self, event: gradtrack.AlertEvent) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 

@@ -9,6 +9,7 @@ import difflib
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.record import StepRecord
@@ -16,10 +17,13 @@ from gradtrack.record import StepRecord
 
 @runtime_checkable
 class GradientSink(Protocol):
-    """Receives logged steps in batches; flushes and closes when the watcher closes."""
+    """Receives logged steps in batches and alert events; flushes and closes at the end."""
 
     def write(self, batch: Sequence[StepRecord]) -> None:
         """Take one or more steps, oldest first."""
+
+    def alert(self, event: AlertEvent) -> None:
+        """Take one alert event (after the batch holding its step was written)."""
 
     def flush(self) -> None:
         """Send on anything buffered."""

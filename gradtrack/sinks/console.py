@@ -10,14 +10,20 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from gradtrack.alerts import AlertEvent
 from gradtrack.record import StepRecord
 
 
 def format_table(record: StepRecord) -> str:
     """The step as a table: layer, size, L2 norm, max |g|, mean |g|, NaN and Inf counts."""
     width = max([5, *(len(name) for name in record.layers)])
+    extremes = record.extreme_layers()
+    flow = ""
+    if extremes is not None:
+        (weak, low), (strong, high) = extremes
+        flow = f"; weakest {weak} ({low:.2e}), strongest {strong} ({high:.2e})"
     lines = [
-        f"gradtrack step {record.step}: total gradient norm {record.total_norm:.3e}",
+        f"gradtrack step {record.step}: total gradient norm {record.total_norm:.3e}{flow}",
         f"  {'layer':<{width}}  {'numel':>10}  {'norm':>10}  {'max|g|':>10}  {'mean|g|':>10}"
         f"  {'NaN':>6}  {'Inf':>6}",
     ]
@@ -54,6 +60,12 @@ class ConsoleSink:
         print(format_table(record), file=stream, flush=True)
         self._last_print = time.monotonic()
         self._printed_latest = record is self._latest
+
+    def alert(self, event: AlertEvent) -> None:
+        # Alerts are never rate-limited here: each rule has its own cooldown.
+        stream = self.stream or sys.stdout
+        print(f"gradtrack {event.severity.upper()} at step {event.step}: {event.message}",
+              file=stream, flush=True)  # fmt: skip
 
     def flush(self) -> None:
         pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from gradtrack.alerts import AlertEvent
 from gradtrack.histogram import Histogram
 from gradtrack.record import StepRecord, scalar_metrics
 
@@ -26,12 +27,17 @@ class MemorySink:
 
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
+        self.events: list[AlertEvent] = []
         self.closed = False
         self._lock = threading.Lock()
 
     def write(self, batch: Sequence[StepRecord]) -> None:
         with self._lock:
             self.records.extend(batch)
+
+    def alert(self, event: AlertEvent) -> None:
+        with self._lock:
+            self.events.append(event)
 
     def flush(self) -> None:
         pass

@@ -29,9 +29,15 @@ def test_scalars_use_the_shared_keys_and_nonfinite_keys_only_where_nonzero() -> 
         for layer in ("0", "2")
     }
     totals = {"grad/total_norm", "grad/nan_count", "grad/inf_count"}
+    totals |= {"grad/min_layer_norm", "grad/max_layer_norm"}
     assert set(scalars) == {*totals, "grad_nan/0", "grad_inf/0", *per_layer}
     assert scalars["grad_nan/0"] == [(1, 1.0)] and scalars["grad_inf/0"] == [(1, 1.0)]
     assert scalars["grad/nan_count"] == [(0, 0.0), (1, 1.0), (2, 0.0)]
     assert [step for step, _ in scalars["grad_norm/2"]] == [0, 1, 2]
+    record = sink.records[0]
+    (weakest, low), (strongest, high) = record.extreme_layers()
+    assert {weakest, strongest} == {"0", "2"} and low < high
+    assert scalars["grad/min_layer_norm"][0] == (0, low)
+    assert scalars["grad/max_layer_norm"][0] == (0, high)
     norms = dict(scalars["grad/total_norm"])
     assert norms[0] > 0 and norms[1] != norms[1]  # NaN at the poisoned step

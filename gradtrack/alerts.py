@@ -1,0 +1,298 @@
+"""Alert rules applied to step records: pure logic, `StepRecord` in, `AlertEvent`s out.
+
+Each message carries a diagnosis — the likely cause and what to try — from the evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from gradtrack.record import StepRecord
+from gradtrack.rules import AlertRules, Severity
+
+Stage = Literal["forward", "loss", "backward"]
+
+
+class AlertEvent(BaseModel):
+    """One alert: what tripped, where, by how much, and what to do about it.
+
+    ``origin_layer`` / ``origin_stage`` say where non-finite gradients first appeared: in the
+    forward pass (the model output was already non-finite), in the loss (the gradient reaching
+    the model output was), or in backward at ``origin_layer`` (the non-finite layer nearest
+    the loss).
+    """
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
+
+    step: int
+    wall_time: float
+    rule: str
+    layer: str | None
+    statistic: str
+    value: float
+    threshold: float | None
+    severity: Severity
+    message: str
+    rank: int = 0
+    origin_layer: str | None = None
+    origin_stage: Stage | None = None
+
+    @property
+    def title(self) -> str:
+        where = f" in {self.layer}" if self.layer else ""
+        return f"gradtrack: {self.rule}{where}"
+
+
+class AlertEngine:
+    """Keeps the per-layer state rules need (patience runs, running averages, cooldowns)."""
+
+    def __init__(self, rules: AlertRules, depth_order: Sequence[str], rank: int = 0) -> None:
+        self.rules = rules
+        self.rank = rank
+        self._depth = {name: i for i, name in enumerate(depth_order)}
+        self._backward_position: dict[str, int] = {}
+        self._cache: dict[tuple[str, str | None], Any] = {}
+        self._runs: dict[tuple[str, str], int] = {}
+        self._ema: dict[str, float] = {}
+        self._seen: dict[str, int] = {}
+        self._last_fired: dict[tuple[str, str | None], int] = {}
+        self._total_norms: deque[float] = deque(maxlen=1000)
+        self._amp_skips = 0
+        self.first_nonfinite: AlertEvent | None = None
+
+    def set_backward_order(self, layers: Sequence[str]) -> None:
+        """Layers in the order their gradients became ready in a backward pass."""
+        self._backward_position = {name: i for i, name in enumerate(layers)}
+
+    def rule(self, name: str, layer: str | None) -> Any:
+        key = (name, layer)
+        if key not in self._cache:
+            self._cache[key] = self.rules.for_layer(name, layer)
+        return self._cache[key]
+
+    def evaluate(self, record: StepRecord) -> list[AlertEvent]:
+        events: list[AlertEvent] = []
+        if record.amp_skipped is not None:
+            events += self._amp(record)
+        if not record.amp_skipped:
+            events += self._nonfinite(record)
+        stats = record.layer_stats()
+        for layer, s in stats.items():
+            events += self._layer_rules(record, layer, s.norm)
+        events += self._exploding(record, None, record.total_norm)
+        events += self._jump(record, {layer: s.norm for layer, s in stats.items()})
+        if math.isfinite(record.total_norm):
+            self._total_norms.append(record.total_norm)
+        return events
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _emit(
+        self, record: StepRecord, rule_name: str, layer: str | None, **fields: Any
+    ) -> list[AlertEvent]:
+        rule = self.rule(rule_name, layer)
+        last = self._last_fired.get((rule_name, layer))
+        if last is not None and record.step - last <= rule.cooldown_steps:
+            return []
+        self._last_fired[(rule_name, layer)] = record.step
+        fields.setdefault("severity", rule.severity)
+        event = AlertEvent(
+            step=record.step, wall_time=record.wall_time, rule=rule_name, layer=layer,
+            rank=self.rank, **fields,
+        )  # fmt: skip
+        return [event]
+
+    def _run(self, key: tuple[str, str], hit: bool) -> int:
+        self._runs[key] = self._runs.get(key, 0) + 1 if hit else 0
+        return self._runs[key]
+
+    # -- rules -----------------------------------------------------------------------------
+    def _nonfinite(self, record: StepRecord) -> list[AlertEvent]:
+        stats = record.layer_stats()
+        bad = [layer for layer, s in stats.items() if s.nan or s.inf]
+        if not bad and math.isfinite(record.total_norm):
+            return []
+        if not self.rule("nonfinite", None).enabled:
+            return []
+        origin, stage = self.nonfinite_origin(record, bad)
+        nan = sum(stats[layer].nan for layer in bad)
+        inf = sum(stats[layer].inf for layer in bad)
+        kind = "NaN" if nan else "Inf"
+        if stage == "forward":
+            where = "the model output (forward pass) was already non-finite"
+            advice = (
+                "check the input batch for NaN/Inf, the forward numerics (normalisation of "
+                "near-constant inputs, exp/log overflow) and, under AMP, fp16 overflow"
+            )
+        elif stage == "loss":
+            where = "the gradient reaching the model output was already non-finite (loss)"
+            advice = (
+                "the loss produced it: look for log(0), division by zero or sqrt of 0 in the "
+                "loss, or targets outside the loss's range"
+            )
+        else:
+            where = f"first at {origin} (backward; model output finite)"
+            advice = (
+                f"look at the ops in {origin}'s backward (division by ~0, sqrt/log of ~0, exp "
+                "overflow), its inputs, the learning rate (lower it, or clip the gradient "
+                "norm), and AMP loss scaling (use a GradScaler, or bf16)"
+            )
+        counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {', '.join(bad[:8])}"
+        message = f"{kind} gradient {where}. {counts}. Try: {advice}."
+        events = self._emit(
+            record, "nonfinite", origin, statistic="nan_count" if nan else "inf_count",
+            value=float(nan or inf), threshold=0.0, message=message,
+            origin_layer=origin, origin_stage=stage,
+        )  # fmt: skip
+        if events and self.first_nonfinite is None:
+            self.first_nonfinite = events[0]
+        return events
+
+    def nonfinite_origin(self, record: StepRecord, bad: list[str]) -> tuple[str | None, Stage]:
+        if record.output_finite is False:
+            stage: Stage = "forward"
+        elif record.output_grad_finite is False:
+            stage = "loss"
+        else:
+            stage = "backward"
+        if not bad:
+            return None, stage
+        unknown = len(self._backward_position)
+        # Nearest the loss: first in backward order; never seen there → deepest in the model.
+        origin = min(
+            bad,
+            key=lambda layer: (
+                self._backward_position.get(layer, unknown),
+                -self._depth.get(layer, 0),
+            ),
+        )
+        return origin, stage
+
+    def _layer_rules(self, record: StepRecord, layer: str, norm: float) -> list[AlertEvent]:
+        events = self._exploding(record, layer, norm)
+        if not math.isfinite(norm):
+            return events
+        vanishing = self.rule("vanishing", layer)
+        if vanishing.enabled:
+            run = self._run(("vanishing", layer), 0 < norm < vanishing.threshold)
+            if run >= vanishing.patience:
+                events += self._emit(
+                    record, "vanishing", layer, statistic="norm", value=norm,
+                    threshold=vanishing.threshold,
+                    message=(
+                        f"gradient norm of {layer} is {norm:.3g}, below {vanishing.threshold:.3g} "
+                        f"for {run} logged steps: it barely learns. Try: residual connections, "
+                        "normalisation (LayerNorm/BatchNorm), a better initialisation "
+                        "(Kaiming/Xavier), or non-saturating activations (ReLU/GELU instead of "
+                        "sigmoid/tanh)."
+                    ),
+                )  # fmt: skip
+        dead = self.rule("dead", layer)
+        if dead.enabled:
+            run = self._run(("dead", layer), norm == 0.0)
+            if run >= dead.patience:
+                events += self._emit(
+                    record, "dead", layer, statistic="norm", value=norm, threshold=0.0,
+                    message=(
+                        f"gradient of {layer} has been exactly zero for {run} logged steps. "
+                        "Likely: dying ReLUs (try LeakyReLU/GELU or a lower learning rate) or an "
+                        "unintended freeze (a .detach(), torch.no_grad() or requires_grad=False "
+                        "upstream of this layer)."
+                    ),
+                )  # fmt: skip
+        events += self._spike(record, layer, norm)
+        return events
+
+    def _exploding(self, record: StepRecord, layer: str | None, norm: float) -> list[AlertEvent]:
+        rule = self.rule("exploding", layer)
+        if not rule.enabled or not math.isfinite(norm) or norm <= rule.threshold:
+            return []  # non-finite norms belong to the nonfinite rule
+        history = [n for n in self._total_norms if n <= rule.threshold]
+        clip = float(np.percentile(history, 90)) if history else rule.threshold / 10
+        name = layer or "the total gradient"
+        return self._emit(
+            record, "exploding", layer, statistic="norm" if layer else "total_norm",
+            value=norm, threshold=rule.threshold,
+            message=(
+                f"gradient norm of {name} is {norm:.3g}, above {rule.threshold:.3g}. Try: a lower "
+                "learning rate, or clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                f"max_norm={clip:.2g}) (the 90th percentile of the total norms seen so far)."
+            ),
+        )  # fmt: skip
+
+    def _spike(self, record: StepRecord, layer: str, norm: float) -> list[AlertEvent]:
+        rule = self.rule("spike", layer)
+        if not rule.enabled:
+            return []
+        seen = self._seen[layer] = self._seen.get(layer, 0) + 1
+        average = self._ema.get(layer)
+        events: list[AlertEvent] = []
+        if average is not None and seen > rule.warmup and average > 0:
+            ratio = norm / average
+            if ratio > rule.ratio:
+                events = self._emit(
+                    record, "spike", layer, statistic="norm", value=norm,
+                    threshold=rule.ratio * average,
+                    message=(
+                        f"gradient norm of {layer} jumped to {norm:.3g}, {ratio:.1f}× its running "
+                        f"average {average:.3g}. Likely a bad batch or a learning-rate spike; "
+                        "consider gradient clipping or a longer warmup."
+                    ),
+                )  # fmt: skip
+        decay = rule.ema_decay
+        self._ema[layer] = norm if average is None else decay * average + (1 - decay) * norm
+        return events
+
+    def _jump(self, record: StepRecord, norms: dict[str, float]) -> list[AlertEvent]:
+        ordered = sorted(
+            (self._depth.get(layer, 0), layer, norm)
+            for layer, norm in norms.items()
+            if math.isfinite(norm) and norm > 0
+        )
+        events: list[AlertEvent] = []
+        for (_, upper, upper_norm), (_, lower, lower_norm) in zip(ordered, ordered[1:]):
+            rule = self.rule("jump", lower)
+            ratio = max(upper_norm / lower_norm, lower_norm / upper_norm)
+            if rule.enabled and ratio > rule.ratio:
+                events += self._emit(
+                    record, "jump", lower, statistic="norm_ratio", value=ratio,
+                    threshold=rule.ratio,
+                    message=(
+                        f"gradient norm changes {ratio:.3g}× between adjacent layers {upper} "
+                        f"({upper_norm:.3g}) and {lower} ({lower_norm:.3g}): gradient flow "
+                        "breaks here. Look for a saturating activation, a missing normalisation "
+                        "or residual path, or a scale mismatch between these layers."
+                    ),
+                )  # fmt: skip
+        return events
+
+    def _amp(self, record: StepRecord) -> list[AlertEvent]:
+        rule = self.rule("amp", None)
+        if not record.amp_skipped:
+            self._amp_skips = 0
+            return []
+        self._amp_skips += 1
+        if not rule.enabled:
+            return []
+        before, after = record.amp_scale, record.amp_scale_after
+        change = f"scale {before:g}→{after:g}" if before is not None else "scale reduced"
+        if self._amp_skips >= rule.max_skips:
+            return self._emit(
+                record, "amp", None, statistic="skipped_steps", value=float(self._amp_skips),
+                threshold=float(rule.max_skips),
+                message=(
+                    f"GradScaler skipped {self._amp_skips} steps in a row ({change}): the "
+                    "gradients overflow whatever the scale. The model itself produces Inf/NaN: "
+                    "check the forward numerics, lower the learning rate, or train in bf16."
+                ),
+            )  # fmt: skip
+        return self._emit(
+            record, "amp", None, statistic="skipped_steps", value=float(self._amp_skips),
+            threshold=float(rule.max_skips), severity="info",
+            message=f"overflow: step skipped, {change}",
+        )  # fmt: skip

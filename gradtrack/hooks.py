@@ -1,0 +1,111 @@
+"""Probes gradtrack attaches to a model or a GradScaler, each removable without a trace.
+
+They gather step evidence as device tensors — never a host read — on steps that are logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+
+def _and(previous: Tensor | None, current: Tensor) -> Tensor:
+    return current if previous is None else torch.logical_and(previous, current)
+
+
+class OutputProbe:
+    """Is the model output finite, and is the gradient that reaches it finite?
+
+    Together they tell a non-finite forward pass or loss from a backward that broke inside
+    the model. One ``isfinite().all()`` per output tensor, on logged steps only.
+    """
+
+    def __init__(self, model: nn.Module, is_due: Callable[[], bool]) -> None:
+        self._is_due = is_due
+        self.output_finite: Tensor | None = None
+        self.output_grad_finite: Tensor | None = None
+        self.handle = model.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if not self._is_due():
+            return
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, Tensor) and leaf.is_floating_point():
+                with torch.no_grad():
+                    self.output_finite = _and(self.output_finite, torch.isfinite(leaf).all())
+                if leaf.requires_grad:
+                    leaf.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: Tensor) -> None:
+        with torch.no_grad():
+            self.output_grad_finite = _and(self.output_grad_finite, torch.isfinite(grad).all())
+
+    def take(self) -> tuple[Tensor | None, Tensor | None]:
+        taken = self.output_finite, self.output_grad_finite
+        self.output_finite = self.output_grad_finite = None
+        return taken
+
+
+class ScalerTap:
+    """Makes ``scaler.update()`` the step boundary, where gradients are already unscaled and
+    the scaler knows (on the device) whether it skipped the step."""
+
+    def __init__(self, scaler: torch.amp.GradScaler, on_update: Callable[[], None]) -> None:
+        if "update" in vars(scaler):
+            raise RuntimeError("this GradScaler's update() is already wrapped")
+        self.scaler = scaler
+        original = scaler.update
+
+        def update(new_scale: Any = None) -> None:
+            on_update()
+            original(new_scale)
+
+        scaler.update = update  # type: ignore[method-assign]
+
+    def evidence(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(found_inf, scale, scale after update) as device tensors, or None if disabled."""
+        scaler = self.scaler
+        if not scaler.is_enabled() or scaler._scale is None:
+            return None
+        found = [
+            found_inf
+            for state in scaler._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if not found:
+            return None
+        scale = scaler._scale.double()
+        found_inf = torch.stack([f.to(scale.device, non_blocking=True) for f in found]).sum()
+        after = torch.where(found_inf > 0, scale * scaler._backoff_factor, scale)
+        return found_inf.double(), scale, after
+
+    def remove(self) -> None:
+        vars(self.scaler).pop("update", None)
+
+
+class BackwardOrderProbe:
+    """Learns, from one backward pass, the order in which layers' gradients become ready."""
+
+    def __init__(self, params: list[nn.Parameter], layer_of: dict[int, int]) -> None:
+        self.order: list[int] = []
+        self._seen: set[int] = set()
+        self._layer_of = layer_of
+        self.handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._ready) for p in params if p.requires_grad
+        ]
+
+    def _ready(self, param: Tensor) -> None:
+        layer = self._layer_of[id(param)]
+        if layer not in self._seen:
+            self._seen.add(layer)
+            self.order.append(layer)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

@@ -1,0 +1,300 @@
+"""Alert rules on real models with injected faults: NaN/Inf origins, thresholds, actions, AMP."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.alerts import AlertEvent
+from gradtrack.errors import GradtrackConfigError
+from gradtrack.sinks import ConsoleSink, MemorySink
+from gradtrack.worker import GradientWarning
+from tests.conftest import NoUpdate
+
+
+class PoisonGrad(torch.autograd.Function):
+    """Identity forward; backward writes ``value`` (NaN or Inf) into one gradient element."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, value: float) -> torch.Tensor:
+        ctx.value = value
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        poisoned = grad.clone()
+        poisoned[0, 0] = ctx.value
+        return poisoned, None
+
+
+class Poison(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.value: float | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.value is None else PoisonGrad.apply(x, self.value)
+
+
+def deep_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), Poison(), nn.Tanh(),
+        nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2),
+    )  # fmt: skip
+
+
+def train(
+    model: nn.Module,
+    steps: int,
+    *,
+    lr: float | None = 0.01,
+    inputs: Callable[[int], torch.Tensor] = lambda step: torch.randn(32, 8),
+    loss_of: Callable[[torch.Tensor], torch.Tensor] = lambda out: out.pow(2).mean(),
+    before: Callable[[int], None] = lambda step: None,
+    **overrides: Any,
+) -> tuple[MemorySink, gradtrack.Watcher]:
+    sink = MemorySink()
+    # lr=None: an optimizer that applies nothing, so a poisoned step cannot poison the weights.
+    optimizer = (
+        NoUpdate(model.parameters()) if lr is None else torch.optim.SGD(model.parameters(), lr=lr)
+    )
+    overrides.setdefault("log_every", 1)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, **overrides) as watcher:
+        for step in range(steps):
+            before(step)
+            optimizer.zero_grad()
+            loss_of(model(inputs(step))).backward()
+            optimizer.step()
+    return sink, watcher
+
+
+def only(events: list[AlertEvent], rule: str) -> list[AlertEvent]:
+    return [event for event in events if event.rule == rule]
+
+
+@pytest.mark.parametrize(("value", "kind"), [(float("nan"), "NaN"), (float("inf"), "Inf")])
+def test_nonfinite_in_backward_names_the_layer_where_it_appeared(value: float, kind: str) -> None:
+    model = deep_model()
+
+    def poison(step: int) -> None:
+        model[3].value = value if step == 4 else None
+
+    sink, _ = train(model, 6, lr=None, before=poison)
+    (event,) = only(sink.events, "nonfinite")
+    assert (event.step, event.layer, event.severity) == (4, "2", "error")
+    assert (event.origin_layer, event.origin_stage) == ("2", "backward")
+    assert event.message.startswith(f"{kind} gradient first at 2 (backward; model output finite)")
+    assert "Try:" in event.message
+    assert event.model_dump_json()  # JSON-serialisable
+
+
+def test_nonfinite_forward_is_told_apart() -> None:
+    model = deep_model()
+
+    def inputs(step: int) -> torch.Tensor:
+        x = torch.randn(32, 8)
+        if step == 2:
+            x[0, 0] = float("nan")
+        return x
+
+    sink, _ = train(model, 4, lr=None, inputs=inputs)
+    (event,) = only(sink.events, "nonfinite")
+    assert event.step == 2 and event.origin_stage == "forward"
+    assert "model output (forward pass) was already non-finite" in event.message
+
+
+def test_nonfinite_from_the_loss_is_told_apart() -> None:
+    model = deep_model()
+    sink, _ = train(model, 1, lr=None, loss_of=lambda out: (out * 0).log().sum())
+    (event,) = only(sink.events, "nonfinite")
+    assert event.origin_stage == "loss" and "loss" in event.message
+
+
+def test_huge_learning_rate_explodes() -> None:
+    model = deep_model()
+    sink, _ = train(model, 10, lr=50.0, alerts={"exploding": {"threshold": 100.0}})
+    events = only(sink.events, "exploding")
+    assert events and events[0].value > 100.0 and events[0].threshold == 100.0
+    assert "clip_grad_norm_" in events[0].message
+
+
+def test_deep_sigmoid_mlp_vanishes_after_patience() -> None:
+    torch.manual_seed(0)
+    layers = [m for _ in range(12) for m in (nn.Linear(16, 16), nn.Sigmoid())]
+    model = nn.Sequential(*layers, nn.Linear(16, 1))
+    rules = {"vanishing": {"threshold": 1e-6, "patience": 3}, "jump": {"enabled": False}}
+    sink, _ = train(model, 5, inputs=lambda step: torch.randn(32, 16), alerts=rules)
+    events = only(sink.events, "vanishing")
+    assert {e.layer for e in events} >= {"0", "2"}  # the first layers starve
+    assert all(e.step == 2 for e in events)  # patience 3: steps 0, 1, 2
+    assert "residual connections" in events[0].message
+
+
+def test_masked_layer_is_dead() -> None:
+    model = deep_model()
+    model[5].register_forward_hook(lambda module, args, out: out * 0)  # the layer's output dropped
+    sink, _ = train(model, 4, alerts={"dead": {"patience": 3}})
+    events = only(sink.events, "dead")
+    # Zeroing 5's output starves 5 and everything upstream of it; 7 still learns.
+    assert sorted((e.layer, e.step) for e in events) == [("0", 2), ("2", 2), ("5", 2)]
+    assert "dying ReLU" in events[0].message
+
+
+def test_spike_after_warmup_and_cooldown_suppresses_repeats() -> None:
+    model = deep_model()
+
+    def inputs(step: int) -> torch.Tensor:
+        return torch.randn(32, 8) * (1000.0 if step >= 8 else 1.0)
+
+    rules = {
+        "spike": {"ratio": 5.0, "warmup": 3, "cooldown_steps": 100},
+        "exploding": {"enabled": False},
+        "jump": {"enabled": False},
+    }
+    sink, _ = train(model, 12, lr=None, inputs=inputs, alerts=rules)
+    events = only(sink.events, "spike")
+    assert events and {e.step for e in events} == {8}  # once per layer, then cooled down
+    assert len({e.layer for e in events}) == len(events)
+
+
+def test_jump_between_adjacent_layers() -> None:
+    model = deep_model()
+    model[4].register_forward_hook(lambda module, args, out: out * 1e-4)
+    sink, _ = train(model, 1, lr=None, alerts={"jump": {"ratio": 100.0}})
+    (event,) = only(sink.events, "jump")
+    assert event.layer == "5" and event.value > 100.0 and "breaks" in event.message
+
+
+def test_glob_overrides_apply_per_layer() -> None:
+    model = deep_model()
+    rules = {
+        "exploding": {"threshold": 1e9},
+        "layers": {"7": {"exploding": {"threshold": 1e-9, "severity": "error"}}},
+    }
+    sink, _ = train(model, 1, lr=None, alerts=rules)
+    (event,) = only(sink.events, "exploding")
+    assert (event.layer, event.threshold, event.severity) == ("7", 1e-9, "error")
+
+
+def test_disabled_rule_stays_quiet() -> None:
+    model = deep_model()
+    model[3].value = float("nan")
+    sink, _ = train(model, 2, lr=None, alerts={"nonfinite": {"enabled": False}})
+    assert not only(sink.events, "nonfinite") and sink.records[0].nan_count > 0
+
+
+def test_raise_stops_training_before_the_bad_step_is_applied() -> None:
+    model = deep_model()
+    snapshots: list[list[torch.Tensor]] = []
+
+    def before(step: int) -> None:
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+        model[3].value = float("nan") if step == 3 else None
+
+    with pytest.raises(gradtrack.GradientAlertError) as error:
+        train(model, 6, before=before, alerts={"nonfinite": {"action": "raise"}})
+    assert error.value.event.step == 3 and error.value.event.layer == "2"
+    assert len(snapshots) == 4
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), snapshots[3]))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_warn_action_and_on_alert_callback() -> None:
+    model = deep_model()
+    model[3].value = float("inf")
+    seen: list[AlertEvent] = []
+    with pytest.warns(GradientWarning, match="gradient first at 2"):
+        train(model, 1, lr=None, on_alert=seen.append, alerts={"nonfinite": {"action": "warn"}})
+    assert [e.rule for e in seen] == ["nonfinite"]
+
+
+def test_console_prints_every_event() -> None:
+    model = deep_model()
+    model[3].value = float("nan")
+    stream = io.StringIO()
+    optimizer = NoUpdate(model.parameters())
+    console = ConsoleSink(interval_s=3600, stream=stream)
+    with gradtrack.watch(model, backend=console, optimizer=optimizer, log_every=1):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    assert "gradtrack ERROR at step 0: NaN gradient first at 2" in stream.getvalue()
+
+
+def amp_training(
+    steps: int, poison_from: int | None, init_scale: float, **overrides: Any
+) -> MemorySink:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, scaler=scaler, log_every=1,
+                         **overrides):  # fmt: skip
+        for step in range(steps):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if poison_from is not None and step >= poison_from:
+                model[0].weight.grad[0, 0] = float("inf")
+            scaler.step(optimizer)
+            scaler.update()
+    return sink
+
+
+def test_amp_overflow_steps_are_info_and_summaries_unscaled() -> None:
+    sink = amp_training(steps=30, poison_from=None, init_scale=2.0**20)
+    skipped = [r.step for r in sink.records if r.amp_skipped]
+    assert skipped == [0, 1]  # the scale starts too high for fp16, then settles
+    infos = only(sink.events, "amp")
+    assert [e.severity for e in infos] == ["info"] * len(infos) and len(infos) == len(skipped)
+    assert infos[0].message == "overflow: step skipped, scale 1.04858e+06→524288"
+    assert not only(sink.events, "nonfinite")  # a skipped overflow is not an error
+    applied = [r for r in sink.records if r.amp_skipped is False]
+    assert applied and all(0 < r.total_norm < 100 for r in applied)  # unscaled, not ×2^30
+
+
+def test_amp_persistent_overflow_is_an_error() -> None:
+    sink = amp_training(
+        steps=50, poison_from=35, init_scale=2.0**8, alerts={"amp": {"max_skips": 5}}
+    )
+    assert [r.step for r in sink.records if r.amp_skipped] == list(range(35, 50))
+    errors = [e for e in only(sink.events, "amp") if e.severity == "error"]
+    assert errors and errors[0].step == 39 and "skipped 5 steps in a row" in errors[0].message
+    assert [e.step for e in only(sink.events, "amp")][:5] == [35, 36, 37, 38, 39]
+
+
+def test_invalid_rules_name_the_field_and_allowed_values() -> None:
+    with pytest.raises(
+        GradtrackConfigError, match=r"alerts.exploding.threshold = -1 .*greater than 0"
+    ):
+        gradtrack.watch(nn.Linear(2, 2), alerts={"exploding": {"threshold": -1}})
+    with pytest.raises(GradtrackConfigError, match=r"action = 'stop' .*'log', 'warn' or 'raise'"):
+        gradtrack.watch(nn.Linear(2, 2), alerts={"nonfinite": {"action": "stop"}})
+    with pytest.raises(GradtrackConfigError, match=r"unknown rule 'vanish'; rules: nonfinite"):
+        gradtrack.watch(nn.Linear(2, 2), alerts={"layers": {"x*": {"vanish": {}}}})
+    with pytest.raises(
+        GradtrackConfigError, match=r"layers\['x\*'\].dead: patience = 0: .*greater than 0"
+    ):
+        gradtrack.watch(nn.Linear(2, 2), alerts={"layers": {"x*": {"dead": {"patience": 0}}}})
+
+
+def test_rules_load_from_environment_variables() -> None:
+    from gradtrack.config import load_config
+
+    config = load_config(
+        {"alerts": {"spike": {"ratio": 3}}},
+        environ={
+            "GRADTRACK_ALERTS__EXPLODING__THRESHOLD": "5",
+            "GRADTRACK_ALERTS__SPIKE__WARMUP": "2",
+        },
+    )
+    assert config.alerts.exploding.threshold == 5.0
+    assert (config.alerts.spike.warmup, config.alerts.spike.ratio) == (2, 3.0)
