@@ -5,6 +5,7 @@ Each message carries a diagnosis — the likely cause and what to try — from t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -255,7 +256,7 @@ class AlertEngine:
             if math.isfinite(norm) and norm > 0
         )
         events: list[AlertEvent] = []
-        for (_, upper, upper_norm), (_, lower, lower_norm) in zip(ordered, ordered[1:]):
+        for (_, upper, upper_norm), (_, lower, lower_norm) in itertools.pairwise(ordered):
             rule = self.rule("jump", lower)
             ratio = max(upper_norm / lower_norm, lower_norm / upper_norm)
             if rule.enabled and ratio > rule.ratio:

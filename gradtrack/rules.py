@@ -9,8 +9,16 @@ from __future__ import annotations
 import fnmatch
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
-from pydantic import ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 Severity = Literal["info", "warning", "error"]
 Action = Literal["log", "warn", "raise"]
@@ -113,9 +121,8 @@ class AlertRules(BaseModel):
         for pattern, rules in self.layers.items():
             for name, fields in rules.items():
                 if name not in RULE_TYPES:
-                    raise ValueError(
-                        f"layers[{pattern!r}]: unknown rule {name!r}; rules: {', '.join(RULE_TYPES)}"
-                    )
+                    known = ", ".join(RULE_TYPES)
+                    raise ValueError(f"layers[{pattern!r}]: unknown rule {name!r}; rules: {known}")
                 base = getattr(self, name).model_dump()
                 try:
                     RULE_TYPES[name](**{**base, **fields})
