@@ -19,13 +19,17 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.rules import RULE_TYPES
 from gradtrack.sinks import MemorySink
 
+RULES_OFF = {"alerts": {rule: {"enabled": False} for rule in RULE_TYPES}}
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "base": None,
     "defaults": {},
     "log_every=1": {"log_every": 1, "hist_every": None},
+    "log_every=1, rules off": {"log_every": 1, "hist_every": None, **RULES_OFF},
     "log_every=1, hist_every=1": {"log_every": 1, "hist_every": 1},
+    "log_every=1, activations": {"log_every": 1, "hist_every": None, "activations": True},
 }
 
 

@@ -144,6 +144,11 @@ class AlertEngine:
                 "norm), and AMP loss scaling (use a GradScaler, or bf16)"
             )
         counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {', '.join(bad[:8])}"
+        if record.activation_origin is not None:
+            counts += (
+                "; the first non-finite activation gradient was at the output of "
+                f"{record.activation_origin}, so it arose in the backward of what follows it"
+            )
         message = f"{kind} gradient {where}. {counts}. Try: {advice}."
         events = self._emit(
             record, "nonfinite", origin, statistic="nan_count" if nan else "inf_count",

@@ -70,6 +70,9 @@ class GradtrackConfig(BaseModel):
         5.0, ge=0, description="The console sink prints a table at most this often."
     )
     seed: int = Field(0, description="Seed of gradtrack's own sampling generator.")
+    activations: bool = Field(
+        False, description="Also log gradient norms w.r.t. every leaf module's output."
+    )
     alerts: AlertRules = Field(default_factory=AlertRules, description="Alert rules.")
 
     @field_validator("include", "exclude", mode="before")

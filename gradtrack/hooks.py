@@ -5,6 +5,7 @@ They gather step evidence as device tensors — never a host read — on steps t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -109,3 +110,44 @@ class BackwardOrderProbe:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+class ActivationProbe:
+    """Norms of the gradients w.r.t. module outputs — the recipe's "gradient flow" — on
+    logged steps. Several calls of one module in a step (micro-batches, reuse) add up as
+    the root of the summed squares."""
+
+    def __init__(self, modules: list[nn.Module], is_due: Callable[[], bool]) -> None:
+        self._is_due = is_due
+        self.norms: list[Tensor | None] = [None] * len(modules)
+        self.order: list[int] = []  # module indices, in the order their output grads arrived
+        self.handles = [
+            module.register_forward_hook(functools.partial(self._after_forward, index))
+            for index, module in enumerate(modules)
+        ]
+
+    def _after_forward(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        if not self._is_due():
+            return
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+                leaf.register_hook(functools.partial(self._output_grad, index))
+
+    def _output_grad(self, index: int, grad: Tensor) -> None:
+        with torch.no_grad():
+            accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
+            squared = torch.linalg.vector_norm(grad, dtype=accumulate).double().square()
+            previous = self.norms[index]
+            if previous is None:
+                self.order.append(index)
+            self.norms[index] = squared if previous is None else previous + squared
+
+    def take(self) -> tuple[list[Tensor | None], list[int]]:
+        norms = [None if n is None else n.sqrt() for n in self.norms]
+        order = self.order
+        self.norms, self.order = [None] * len(self.norms), []
+        return norms, order
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

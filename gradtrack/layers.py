@@ -102,6 +102,23 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
     return selected
 
 
+def activation_modules(model: nn.Module, config: GradtrackConfig) -> list[tuple[str, nn.Module]]:
+    """Leaf modules (with or without parameters) whose output gradients ``activations=True``
+    watches, filtered by the same include/exclude patterns and module types."""
+    leaves = []
+    for name, module in model.named_modules():
+        if next(module.children(), None) is not None:
+            continue
+        name = name or ROOT_LAYER_NAME
+        if config.module_types and not isinstance(module, config.module_types):
+            continue
+        if config.include and not _matches(name, config.include):
+            continue
+        if not _matches(name, config.exclude):
+            leaves.append((name, module))
+    return leaves
+
+
 def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 

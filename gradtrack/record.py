@@ -29,6 +29,7 @@ LAYER_KEY_PREFIX = {
     "rms": "grad_rms",
 }
 NONFINITE_KEY_PREFIX = {"nan": "grad_nan", "inf": "grad_inf"}
+ACTIVATION_KEY_PREFIX = "act_grad_norm"
 
 
 class LayerStats(NamedTuple):
@@ -60,6 +61,10 @@ class StepRecord:
     amp_skipped: bool | None = None
     amp_scale: float | None = None
     amp_scale_after: float | None = None
+    # With ``activations=True``: gradient norm w.r.t. each module's output, and the module
+    # whose output gradient was the first non-finite one in backward.
+    activation_grad_norms: Mapping[str, float] = field(default_factory=dict)
+    activation_origin: str | None = None
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -120,6 +125,8 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
         for layer, value in zip(record.layers, record.column(stat).tolist()):
             if value:
                 metrics[f"{prefix}/{layer}"] = value
+    for module, value in record.activation_grad_norms.items():
+        metrics[f"{ACTIVATION_KEY_PREFIX}/{module}"] = value
     return metrics
 
 

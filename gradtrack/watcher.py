@@ -22,8 +22,8 @@ from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradientAlertError, GradtrackError
-from gradtrack.hooks import BackwardOrderProbe, OutputProbe, ScalerTap
-from gradtrack.layers import discover_layers
+from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
+from gradtrack.layers import activation_modules, discover_layers
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, PendingStep, Worker
 
@@ -61,6 +61,8 @@ class Watcher:
         self.layers = discover_layers(model, config)
         self.collector = Collector(self.layers, config.hist_sample_size, config.seed)
         self.mailbox = Mailbox(config.queue_size, config.queue_full)
+        watched_outputs = activation_modules(model, config) if config.activations else []
+        self.activation_names = tuple(name for name, _ in watched_outputs)
         self.alert_engine = AlertEngine(config.alerts, self.collector.layer_names, rank)
         self._raise_on_alert = "raise" in config.alerts.actions()
         self.alert_error: GradientAlertError | None = None
@@ -72,6 +74,7 @@ class Watcher:
             self.alert_engine,
             on_alert=on_alert,
             on_raise=self._remember_alert_error,
+            activation_names=self.activation_names,
         )
         self.step = 0
         self.collect_errors = 0
@@ -93,6 +96,12 @@ class Watcher:
         )
         self._output_probe = OutputProbe(model, self._next_step_is_due)
         self._handles.append(self._output_probe.handle)
+        self._activation_probe = None
+        if watched_outputs:
+            self._activation_probe = ActivationProbe(
+                [module for _, module in watched_outputs], self._next_step_is_due
+            )
+            self._handles.extend(self._activation_probe.handles)
         _WATCHED[model] = self
         _OPEN.add(self)
 
@@ -148,8 +157,10 @@ class Watcher:
         logged, with_samples = self._is_due(step)
         if not (logged or with_samples):
             return
+        activation_order: list[int] | None = None
         try:
-            parts = self.collector.collect(with_samples, self._evidence())
+            evidence, activation_order = self._evidence()
+            parts = self.collector.collect(with_samples, evidence)
         except Exception as exc:  # watching must never crash training
             self.collect_errors += 1
             if self.collect_errors == 1:
@@ -161,7 +172,7 @@ class Watcher:
             return
         if not parts:
             return
-        pending = PendingStep(step, time.time(), parts, backward_order)
+        pending = PendingStep(step, time.time(), parts, backward_order, activation_order)
         if not self._raise_on_alert:
             self.mailbox.put_step(pending)
             return
@@ -185,20 +196,26 @@ class Watcher:
         self._order_probe = None
         return probe.order
 
-    def _evidence(self) -> torch.Tensor | None:
-        """Step flags as one float64 tensor: output finite, output grad finite, and the
-        GradScaler's found-inf, scale and next scale (NaN where unknown)."""
+    def _evidence(self) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Step flags as one float64 tensor: output finite, output grad finite, the
+        GradScaler's found-inf, scale and next scale, then the activation-gradient norms
+        (NaN where unknown); and the order in which activation gradients arrived."""
         values: list[torch.Tensor | None] = [*self._output_probe.take(), None, None, None]
         if self._scaler_tap is not None:
             values[2:] = self._scaler_tap.evidence() or (None, None, None)
+        order = None
+        if self._activation_probe is not None:
+            norms, order = self._activation_probe.take()
+            values.extend(norms)
         known = [v for v in values if v is not None]
         if not known:
-            return None
+            return None, order
         device = known[0].device
         nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
-        return torch.stack(
-            [nan if v is None else v.to(device, torch.float64, non_blocking=True) for v in values]
-        )
+        flags = [
+            nan if v is None else v.to(device, torch.float64, non_blocking=True) for v in values
+        ]
+        return torch.stack(flags), order
 
     # -- lifecycle ----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:

@@ -7,6 +7,7 @@ waits on a sink, and a failing sink is reported once and never stops the others.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from collections import deque
@@ -35,6 +36,7 @@ class PendingStep:
     wall_time: float
     parts: list[HostPart]
     backward_order: list[int] | None = None  # layer indices, once learnt
+    activation_order: list[int] | None = None  # activation modules, as their grads arrived
     evaluated: threading.Event | None = None  # set once alert rules have seen the step
 
 
@@ -103,6 +105,7 @@ class Worker:
         alert_engine: AlertEngine,
         on_alert: Callable[[AlertEvent], None] | None = None,
         on_raise: Callable[[AlertEvent], None] | None = None,
+        activation_names: Sequence[str] = (),
     ) -> None:
         self.sinks = list(sinks)
         self.sink_errors = [0] * len(self.sinks)
@@ -116,6 +119,7 @@ class Worker:
         self._max_batch_steps = config.max_batch_steps
         self._on_alert = on_alert
         self._on_raise = on_raise
+        self._activation_names = tuple(activation_names)
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
 
@@ -128,6 +132,7 @@ class Worker:
         return control.done.wait(timeout_s)
 
     def _run(self) -> None:
+        _yield_cpu_to_training()
         while True:
             records: list[StepRecord] = []
             events: list[AlertEvent] = []
@@ -209,8 +214,18 @@ class Worker:
             stats=stats,
             total_norm=total_norm,
             histograms=self._histograms(pending.parts),
-            **_evidence(flags),
+            **_evidence(flags[:5]),
+            **self._activations(flags[5:], pending.activation_order or []),
         )
+
+    def _activations(self, norms: np.ndarray, order: list[int]) -> dict[str, Any]:
+        if not self._activation_names or len(norms) == 0:
+            return {}
+        names = self._activation_names
+        arrived = set(order)
+        observed = {names[i]: float(v) for i, v in enumerate(norms) if i in arrived}
+        first_bad = next((names[i] for i in order if not np.isfinite(norms[i])), None)
+        return {"activation_grad_norms": observed, "activation_origin": first_bad}
 
     def _histograms(self, parts: Sequence[HostPart]) -> dict[str, Histogram]:
         per_layer: dict[int, list[np.ndarray]] = {}
@@ -257,6 +272,15 @@ def _evidence(flags: np.ndarray) -> dict[str, Any]:
         "amp_scale": scale,
         "amp_scale_after": scale_after,
     }
+
+
+def _yield_cpu_to_training() -> None:
+    """Lower this thread's scheduling priority: on a busy machine the training threads get
+    the cores first and the worker catches up in their gaps (Linux; elsewhere a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 class GradientWarning(RuntimeWarning):

@@ -206,6 +206,16 @@ def test_raise_stops_training_before_the_bad_step_is_applied() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_raise_without_optimizer_comes_out_of_backward() -> None:
+    model = deep_model()
+    model[3].value = float("nan")
+    with gradtrack.watch(
+        model, backend="memory", log_every=1, alerts={"nonfinite": {"action": "raise"}}
+    ):
+        with pytest.raises(gradtrack.GradientAlertError, match="NaN gradient first at 2"):
+            model(torch.randn(4, 8)).sum().backward()
+
+
 def test_warn_action_and_on_alert_callback() -> None:
     model = deep_model()
     model[3].value = float("inf")
@@ -298,3 +308,29 @@ def test_rules_load_from_environment_variables() -> None:
     )
     assert config.alerts.exploding.threshold == 5.0
     assert (config.alerts.spike.warmup, config.alerts.spike.ratio) == (2, 3.0)
+
+
+def test_activation_gradient_flow_matches_reference_and_refines_the_origin() -> None:
+    model = deep_model()
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            out.retain_grad()
+            outputs[name] = out
+
+        return hook
+
+    for name, module in model.named_children():
+        module.register_forward_hook(keep(name))
+    model[3].value = float("nan")
+    sink, watcher = train(model, 1, lr=None, activations=True)
+    assert watcher.activation_names == tuple(str(i) for i in range(8))
+    scalars = {key: values[0][1] for key, values in sink.scalars().items()}
+    for name, out in outputs.items():
+        reference = out.grad.double().norm().item()
+        got = scalars[f"act_grad_norm/{name}"]
+        assert got == pytest.approx(reference, rel=1e-6, nan_ok=True), name
+    (event,) = only(sink.events, "nonfinite")
+    assert sink.records[0].activation_origin == "2"
+    assert "first non-finite activation gradient was at the output of 2" in event.message
