@@ -32,6 +32,25 @@ ENV_CONFIG_FILE = "GRADTRACK_CONFIG"
 ConfigSource = Union["GradtrackConfig", Mapping[str, Any], str, os.PathLike, None]
 
 
+class WandbOptions(BaseModel):
+    """How the W&B sink finds or starts its run (an active ``wandb.run`` is always reused)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    project: str | None = Field(None, description="Project of a run gradtrack starts.")
+    entity: str | None = None
+    name: str | None = Field(None, description="Name of a run gradtrack starts.")
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode of a run gradtrack starts (default: W&B's own)."
+    )
+    dir: str | None = Field(None, description="Where a run gradtrack starts writes its files.")
+    profile_every: PositiveInt | None = Field(
+        100, description="Log the per-layer gradient-flow profile every N-th step; None: never."
+    )
+
+
 class GradtrackConfig(BaseModel):
     """Everything that decides what gradtrack watches, how often, and how it hands data on.
 
@@ -74,6 +93,12 @@ class GradtrackConfig(BaseModel):
         False, description="Also log gradient norms w.r.t. every leaf module's output."
     )
     alerts: AlertRules = Field(default_factory=AlertRules, description="Alert rules.")
+    model_name: str | None = Field(
+        None,
+        description="Name put after each metric family (grad_norm/<model_name>/<layer>) so "
+        "several watched models can share one run.",
+    )
+    wandb: WandbOptions = Field(default_factory=WandbOptions, description="W&B sink options.")
 
     @field_validator("include", "exclude", mode="before")
     @classmethod

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import re
+
 import numpy as np
 
 from gradtrack.histogram import Histogram
@@ -17,10 +19,11 @@ from gradtrack.histogram import Histogram
 STAT_COLUMNS = ("norm", "max_abs", "mean_abs", "rms", "numel", "nan", "inf")
 
 TOTAL_NORM_KEY = "grad/total_norm"
-TOTAL_NAN_KEY = "grad/nan_count"
-TOTAL_INF_KEY = "grad/inf_count"
-MIN_LAYER_NORM_KEY = "grad/min_layer_norm"
-MAX_LAYER_NORM_KEY = "grad/max_layer_norm"
+# Every family a step's metrics use (the first key segment: a W&B panel section).
+FAMILIES = (
+    "grad", "grad_norm", "grad_max", "grad_mean_abs", "grad_rms", "grad_nan", "grad_inf",
+    "act_grad_norm",
+)  # fmt: skip
 # Metric family per statistic; NaN/Inf families appear only where the count is non-zero.
 LAYER_KEY_PREFIX = {
     "norm": "grad_norm",
@@ -65,6 +68,7 @@ class StepRecord:
     # whose output gradient was the first non-finite one in backward.
     activation_grad_norms: Mapping[str, float] = field(default_factory=dict)
     activation_origin: str | None = None
+    model_name: str | None = None  # set when several models share one run
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -93,6 +97,34 @@ class StepRecord:
         return int(self.column("inf").sum())
 
 
+_UNSAFE_KEY_CHARS = re.compile(r"[^\w.\- :/]")
+
+
+def safe_key(key: str) -> str:
+    """A metric key every backend accepts, mapped the same way everywhere.
+
+    Characters outside ``[A-Za-z0-9_.- :/]`` become ``_``, as do the path forms MLflow
+    refuses (``//``, ``./``, ``..``, a leading or trailing ``/``); keys stay ≤ 250 chars.
+
+    >>> safe_key("grad_norm/blocks[0].attn@x")
+    'grad_norm/blocks_0_.attn_x'
+    >>> safe_key("grad_norm/a//b/../c/")
+    'grad_norm/a/_b/._/c_'
+    """
+    key = _UNSAFE_KEY_CHARS.sub("_", key)
+    key = key.replace("//", "/_").replace("./", "_/").replace("..", "_.")
+    if key.startswith("/"):
+        key = "_" + key[1:]
+    if key.endswith("/"):
+        key = key[:-1] + "_"
+    return key[:250]
+
+
+def metric_key(family: str, name: str, model_name: str | None = None) -> str:
+    """``family/name``, or ``family/model_name/name`` when several models share a run."""
+    return safe_key(f"{family}/{model_name}/{name}" if model_name else f"{family}/{name}")
+
+
 def scalar_metrics(record: StepRecord) -> dict[str, float]:
     """The record as flat ``{key: value}`` metrics, with the keys every sink uses.
 
@@ -109,24 +141,25 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     grad_norm/fc
     grad_rms/fc
     """
+    model = record.model_name
     metrics = {
-        TOTAL_NORM_KEY: record.total_norm,
-        TOTAL_NAN_KEY: float(record.nan_count),
-        TOTAL_INF_KEY: float(record.inf_count),
+        metric_key("grad", "total_norm", model): record.total_norm,
+        metric_key("grad", "nan_count", model): float(record.nan_count),
+        metric_key("grad", "inf_count", model): float(record.inf_count),
     }
     extremes = record.extreme_layers()
     if extremes is not None:
-        metrics[MIN_LAYER_NORM_KEY] = extremes[0][1]
-        metrics[MAX_LAYER_NORM_KEY] = extremes[1][1]
+        metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]
+        metrics[metric_key("grad", "max_layer_norm", model)] = extremes[1][1]
     for stat, prefix in LAYER_KEY_PREFIX.items():
         for layer, value in zip(record.layers, record.column(stat).tolist()):
-            metrics[f"{prefix}/{layer}"] = value
+            metrics[metric_key(prefix, layer, model)] = value
     for stat, prefix in NONFINITE_KEY_PREFIX.items():
         for layer, value in zip(record.layers, record.column(stat).tolist()):
             if value:
-                metrics[f"{prefix}/{layer}"] = value
+                metrics[metric_key(prefix, layer, model)] = value
     for module, value in record.activation_grad_norms.items():
-        metrics[f"{ACTIVATION_KEY_PREFIX}/{module}"] = value
+        metrics[metric_key(ACTIVATION_KEY_PREFIX, module, model)] = value
     return metrics
 
 

@@ -120,6 +120,7 @@ class Worker:
         self._on_alert = on_alert
         self._on_raise = on_raise
         self._activation_names = tuple(activation_names)
+        self._model_name = config.model_name
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
 
@@ -214,6 +215,7 @@ class Worker:
             stats=stats,
             total_norm=total_norm,
             histograms=self._histograms(pending.parts),
+            model_name=self._model_name,
             **_evidence(flags[:5]),
             **self._activations(flags[5:], pending.activation_order or []),
         )
