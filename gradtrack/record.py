@@ -5,11 +5,10 @@ Every sink names metrics with `scalar_metrics`, so runs line up across backends.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
-
-import re
 
 import numpy as np
 

@@ -268,7 +268,7 @@ def watcher_of(model: nn.Module) -> Watcher | None:
 
 
 @atexit.register
-def _close_open_watchers() -> None:
+def close_open_watchers() -> None:
     # A script that never closes its watcher still gets its last steps delivered.
     for watcher in list(_OPEN):
         watcher.close()

@@ -1,0 +1,182 @@
+"""Weights & Biases sink: one history row per logged step on gradtrack's own step axis.
+
+wandb is imported only when the first step is written; a run already active is reused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import math
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.config import GradtrackConfig
+from gradtrack.errors import GradtrackError
+from gradtrack.record import FAMILIES, StepRecord, metric_key, safe_key, scalar_metrics
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
+
+HIST_FAMILY = "grad_hist"
+PROFILE_FAMILY = "grad_profile"
+
+
+def require_module(module: str, extra: str) -> None:
+    """Fail early, without importing it, if an optional dependency is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise GradtrackError(
+            f"the {module} backend needs the {module} package: pip install gradtrack[{extra}]"
+        )
+
+
+class WandbSink:
+    """Logs every step to W&B: metrics, histograms, a gradient-flow profile and alerts.
+
+    Rows do not disturb the user's own ``wandb.log`` calls: gradtrack's values go into the
+    row that is open (the user's next one) unless that row already holds a gradtrack step,
+    and its metrics are plotted against ``gradtrack/step`` (set with ``define_metric``).
+    """
+
+    def __init__(self, config: GradtrackConfig | None = None, run: Run | None = None) -> None:
+        require_module("wandb", "wandb")
+        self.config = config or GradtrackConfig()
+        self.options = self.config.wandb
+        model = self.config.model_name
+        self.step_key = safe_key(f"gradtrack/{model}/step" if model else "gradtrack/step")
+        self._run = run
+        self._owns_run = False
+        self._staged_at: int | None = None  # W&B step of our row still open, if any
+        self._latest: StepRecord | None = None
+        self._first_nonfinite_logged = False
+
+    # -- run lifecycle ---------------------------------------------------------------------
+    @property
+    def run(self) -> Run:
+        """The W&B run: the one given, else the active one, else one started now."""
+        if self._run is None:
+            import wandb
+
+            if wandb.run is not None:
+                self._run = wandb.run
+            else:
+                options = self.options
+                self._run = wandb.init(
+                    project=options.project, entity=options.entity, name=options.name,
+                    group=options.group, tags=list(options.tags) or None, mode=options.mode,
+                    dir=options.dir, config={"gradtrack": self.config.model_dump(mode="json")},
+                )  # fmt: skip
+                self._owns_run = True
+                # Our exit hook must run before the one wandb.init just registered.
+                from gradtrack.watcher import close_open_watchers
+
+                atexit.register(close_open_watchers)
+            self._declare_step_axis(self._run)
+        return self._run
+
+    def _declare_step_axis(self, run: Run) -> None:
+        run.define_metric(self.step_key, hidden=True)
+        model = self.config.model_name
+        for family in (*FAMILIES, HIST_FAMILY, PROFILE_FAMILY):
+            pattern = f"{family}/{model}/*" if model else f"{family}/*"
+            run.define_metric(pattern, step_metric=self.step_key)
+
+    def _live_run(self) -> Run:
+        run = self.run
+        if getattr(run, "_is_finished", False):
+            raise GradtrackError(
+                "the W&B run was finished before gradtrack's watcher closed; gradtrack stops "
+                "logging to it (close the watcher before wandb.finish())"
+            )
+        return run
+
+    # -- GradientSink ----------------------------------------------------------------------
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        run = self._live_run()
+        for record in batch:
+            self._log(run, self.row(record))
+        self._latest = batch[-1]
+        extremes = batch[-1].extreme_layers()
+        if extremes is not None:
+            run.summary["gradtrack/weakest_layer"] = extremes[0][0]
+            run.summary["gradtrack/strongest_layer"] = extremes[1][0]
+
+    def row(self, record: StepRecord) -> dict[str, Any]:
+        """The history row for one step: metrics, histograms and, when due, the profile."""
+        import wandb
+
+        row: dict[str, Any] = {self.step_key: record.step, **scalar_metrics(record)}
+        model = self.config.model_name
+        for layer, histogram in record.histograms.items():
+            row[metric_key(HIST_FAMILY, layer, model)] = wandb.Histogram(
+                np_histogram=(histogram.counts, histogram.edges)
+            )
+        every = self.options.profile_every
+        if every is not None and record.step % every == 0:
+            row[metric_key(PROFILE_FAMILY, "norm_by_depth", model)] = self._profile(record)
+        return row
+
+    def _profile(self, record: StepRecord) -> Any:
+        import wandb
+
+        norms = record.column("norm")
+        rows = [
+            [
+                depth,
+                layer,
+                float(norm),
+                math.log10(norm) if norm > 0 and math.isfinite(norm) else None,
+            ]
+            for depth, (layer, norm) in enumerate(zip(record.layers, norms))
+        ]
+        table = wandb.Table(columns=["depth", "layer", "norm", "log10_norm"], data=rows)
+        return wandb.plot.line(
+            table, "depth", "log10_norm", title=f"gradient flow by depth, step {record.step}"
+        )
+
+    def _log(self, run: Run, row: dict[str, Any]) -> None:
+        # Stage into the open row (the user's next one), so their step count is untouched;
+        # commit first only if that row still holds one of our steps.
+        if self._staged_at is not None and run.step == self._staged_at:
+            run.log({}, commit=True)
+        run.log(row, commit=False)
+        # Read after logging: had the user committed meanwhile, our row could be in either
+        # row; taking the open one means the next step can never overwrite it (at worst it
+        # commits one row early).
+        self._staged_at = run.step
+
+    def alert(self, event: AlertEvent) -> None:
+        from wandb.sdk.wandb_alerts import AlertLevel
+
+        run = self._live_run()
+        levels = {"info": AlertLevel.INFO, "warning": AlertLevel.WARN, "error": AlertLevel.ERROR}
+        level = levels[event.severity]
+        # gradtrack's own per-rule cooldown already spaced these out; W&B's minimum wait
+        # only stops it from merging distinct events that share a title.
+        run.alert(
+            title=event.title, text=event.message, level=level, wait_duration=timedelta(seconds=1)
+        )
+        if event.rule == "nonfinite" and not self._first_nonfinite_logged:
+            self._first_nonfinite_logged = True
+            run.summary["gradtrack/first_nonfinite_step"] = event.step
+            run.summary["gradtrack/first_nonfinite_layer"] = event.origin_layer or ""
+            run.summary["gradtrack/first_nonfinite_stage"] = event.origin_stage or ""
+
+    def flush(self) -> None:
+        run = self._run
+        if run is None or getattr(run, "_is_finished", False) or self._staged_at is None:
+            return
+        if run.step == self._staged_at:  # our last row is still open: commit it
+            run.log({}, commit=True)
+        self._staged_at = None
+
+    def close(self) -> None:
+        self.flush()
+        if (
+            self._owns_run
+            and self._run is not None
+            and not getattr(self._run, "_is_finished", False)
+        ):
+            self._run.finish()

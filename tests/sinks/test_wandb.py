@@ -1,0 +1,236 @@
+"""The W&B sink against the real SDK in offline mode, reading back what it wrote."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.sinks import MemorySink, WandbSink
+from tests.conftest import NoUpdate, SmallCNN, cnn_batch
+from tests.sinks.wandb_records import history, of_type, read_records, run_dirs, same, summary
+
+wandb = pytest.importorskip("wandb")
+
+
+@pytest.fixture(autouse=True)
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()
+
+
+def wandb_options(tmp_path: Path, **more: Any) -> dict[str, Any]:
+    return {"mode": "offline", "dir": str(tmp_path), "project": "gradtrack-tests", **more}
+
+
+def train_cnn(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, user_log: Any = None
+) -> None:
+    for step in range(steps):
+        images, labels = cnn_batch(seed=step)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        if step == 10:
+            model[3].weight.grad[0, 0, 0, 0] = float("nan")
+        optimizer.step()
+        if user_log is not None:
+            user_log(step, loss.item())
+
+
+@pytest.mark.parametrize("user_steps", ["explicit", "implicit"])
+def test_offline_run_holds_every_step_histogram_alert_and_the_users_rows(
+    offline: Path, user_steps: str
+) -> None:
+    torch.manual_seed(0)
+    model = SmallCNN()
+    optimizer = NoUpdate(model.parameters())  # the injected NaN stays in its own step
+    run = wandb.init(project="gradtrack-tests", dir=str(offline))
+    memory = MemorySink()
+
+    def user_log(step: int, loss: float) -> None:
+        if user_steps == "explicit":
+            wandb.log({"user/loss": loss}, step=step)
+        else:
+            wandb.log({"user/loss": loss})
+
+    with gradtrack.watch(
+        model, backend=["wandb", memory], optimizer=optimizer, log_every=2, hist_every=6,
+        hist_sample_size=500, wandb={"profile_every": 12},
+    ):  # fmt: skip
+        train_cnn(model, optimizer, 24, user_log)
+    run.finish()
+    wandb.teardown()
+
+    records = read_records(run_dirs(offline)[0])
+    rows = history(records)
+    ours = [row for row in rows if "gradtrack/step" in row]
+    steps = [row["gradtrack/step"] for row in ours]
+    assert steps == [r.step for r in memory.records] == list(range(0, 24, 2))
+
+    expected = memory.scalars()
+    keys = {k for row in ours for k in row if not k.startswith(("_", "user/", "gradtrack/"))}
+    scalar_keys = {k for k in keys if not k.startswith(("grad_hist/", "grad_profile/"))}
+    assert scalar_keys == set(expected)
+    for row in ours:
+        for key, series in expected.items():
+            value = dict(series).get(row["gradtrack/step"])
+            if value is None:
+                assert key not in row
+            else:
+                assert same(row[key], value), (key, row["gradtrack/step"])
+
+    hist_rows = [row for row in ours if "grad_hist/0.values" in row]
+    assert [row["gradtrack/step"] for row in hist_rows] == [0, 6, 12, 18]
+    for row in hist_rows:
+        for layer, numel in {"0": 448, "3": 4640, "7": 20490}.items():
+            counts, edges = row[f"grad_hist/{layer}.values"], row[f"grad_hist/{layer}.bins"]
+            assert len(counts) == 64 and len(edges) == 65
+            assert np.all(np.diff(edges) > 0)
+            assert sum(counts) == min(numel, 500)
+    profile_rows = [row for row in ours if any(k.startswith("grad_profile/") for k in row)]
+    assert [row["gradtrack/step"] for row in profile_rows] == [0, 12]
+
+    user_rows = [row for row in rows if "user/loss" in row]
+    assert len(user_rows) == 24  # not one of the user's rows was dropped
+    if user_steps == "explicit":
+        assert [row["_step"] for row in user_rows] == list(range(24))
+
+    (alert,) = [a for a in of_type(records, "alert") if "nonfinite" in a["title"]]
+    assert alert["level"] == "ERROR" and "NaN gradient first at 3" in alert["text"]
+    run_summary = summary(records)
+    assert run_summary["gradtrack/first_nonfinite_step"] == 10
+    assert run_summary["gradtrack/first_nonfinite_layer"] == "3"
+    assert run_summary["gradtrack/weakest_layer"] in {"0", "3", "7"}
+    metrics = {m.get("glob_name") or m.get("name"): m for m in of_type(records, "metric")}
+    assert metrics["grad_norm/*"]["step_metric"] == "gradtrack/step"
+
+
+def test_gradtrack_starts_its_own_run_and_finishes_only_that(offline: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    config = {"wandb": wandb_options(offline, name="own-run")}
+    with gradtrack.watch(model, backend="wandb", log_every=1, **config):
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+    assert wandb.run is None  # gradtrack started it, so gradtrack finished it
+    wandb.teardown()
+    (run_dir,) = run_dirs(offline)
+    records = read_records(run_dir)
+    assert of_type(records, "run")[0]["display_name"] == "own-run"
+    assert [row["gradtrack/step"] for row in history(records)] == [0, 1, 2]
+
+    run = wandb.init(project="gradtrack-tests")
+    with gradtrack.watch(model, backend="wandb", log_every=1):
+        model(torch.randn(2, 4)).sum().backward()
+    assert wandb.run is run and not run._is_finished  # the user's run stays theirs
+    run.finish()
+
+
+def test_two_runs_in_one_process(offline: Path) -> None:
+    for name in ("first", "second"):
+        model = nn.Linear(3, 1)
+        with gradtrack.watch(
+            model, backend="wandb", log_every=1, wandb=wandb_options(offline, name=name)
+        ):
+            for _ in range(2):
+                model(torch.randn(2, 3)).sum().backward()
+    wandb.teardown()
+    dirs = run_dirs(offline)
+    assert len(dirs) == 2
+    names = sorted(of_type(read_records(d), "run")[0]["display_name"] for d in dirs)
+    assert names == ["first", "second"]
+    assert all(len(history(read_records(d))) == 2 for d in dirs)
+
+
+def test_two_models_in_one_run_keep_their_own_keys_and_steps(offline: Path) -> None:
+    generator, critic = nn.Linear(3, 3), nn.Linear(3, 1)
+    run = wandb.init(project="gradtrack-tests")
+    with (
+        gradtrack.watch(generator, backend="wandb", log_every=1, model_name="generator"),
+        gradtrack.watch(critic, backend="wandb", log_every=2, model_name="critic"),
+    ):
+        for _ in range(4):
+            critic(generator(torch.randn(2, 3))).sum().backward()
+    run.finish()
+    wandb.teardown()
+    rows = history(read_records(run_dirs(offline)[0]))
+    gen = [r["gradtrack/generator/step"] for r in rows if "gradtrack/generator/step" in r]
+    crit = [r["gradtrack/critic/step"] for r in rows if "gradtrack/critic/step" in r]
+    assert gen == [0, 1, 2, 3] and crit == [0, 2]
+    keys = {k for r in rows for k in r}
+    assert {"grad_norm/generator/root", "grad_norm/critic/root", "grad/critic/total_norm"} <= keys
+
+
+def test_finishing_the_run_before_closing_never_breaks_training(offline: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    run = wandb.init(project="gradtrack-tests")
+    watcher = gradtrack.watch(model, backend="wandb", log_every=1)
+    model(torch.randn(2, 4)).sum().backward()
+    watcher.flush()
+    run.finish()
+    with pytest.warns(RuntimeWarning, match="W&B run was finished before"):
+        for _ in range(3):  # wandb.watch raises AttributeError here; gradtrack must not
+            model(torch.randn(2, 4)).sum().backward()
+        watcher.close()
+    assert watcher.sink_errors["0:WandbSink"] >= 1
+
+
+def test_log_scale_histograms_of_bf16_gradients(offline: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).to(torch.bfloat16)
+    options = wandb_options(offline)
+    with gradtrack.watch(model, backend="wandb", log_every=1, hist_every=1, hist_scale="log",
+                         hist_bins=16, wandb=options):  # fmt: skip
+        model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+    wandb.teardown()
+    (row,) = history(read_records(run_dirs(offline)[0]))
+    grads = torch.cat([p.grad.float().flatten() for p in model[0].parameters()])
+    magnitudes = grads[grads != 0].abs().log10()
+    edges = row["grad_hist/0.bins"]
+    assert len(edges) == 17  # bins over log10 |g|, not g
+    assert edges[0] == pytest.approx(magnitudes.min().item(), abs=1e-5)
+    assert edges[-1] == pytest.approx(magnitudes.max().item(), abs=1e-5)
+    assert sum(row["grad_hist/0.values"]) == magnitudes.numel()  # every non-zero element
+
+
+def test_missing_wandb_names_the_extra_to_install() -> None:
+    code = textwrap.dedent(
+        """
+        import importlib.util, sys
+        real_find_spec = importlib.util.find_spec
+        importlib.util.find_spec = lambda n, p=None: None if n == "wandb" else real_find_spec(n, p)
+        sys.modules["wandb"] = None
+        import torch, gradtrack
+        try:
+            gradtrack.watch(torch.nn.Linear(2, 2), backend="wandb")
+        except gradtrack.GradtrackError as error:
+            print(error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert "pip install gradtrack[wandb]" in result.stdout, result.stderr
+
+
+def test_sink_constructs_without_importing_wandb() -> None:
+    code = "import sys, gradtrack; gradtrack.sinks.WandbSink(); print('wandb' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.strip() == "False", result.stderr
+    assert WandbSink  # the class is part of gradtrack.sinks
