@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import gradtrack
+from benchmarks.models import MODELS
 from gradtrack.rules import RULE_TYPES
 from gradtrack.sinks import MemorySink
 
@@ -31,28 +32,6 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "log_every=1, hist_every=1": {"log_every": 1, "hist_every": 1},
     "log_every=1, activations": {"log_every": 1, "hist_every": None, "activations": True},
 }
-
-
-def cnn() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
-    )  # fmt: skip
-    images, labels = torch.randn(64, 3, 32, 32), torch.randint(10, (64,))
-    return model, lambda: nn.functional.cross_entropy(model(images), labels)
-
-
-def deep_mlp(depth: int = 64, width: int = 256) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    blocks = [
-        m for _ in range(depth) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
-    ]
-    model = nn.Sequential(*blocks, nn.Linear(width, 1))
-    inputs = torch.randn(64, width)
-    return model, lambda: model(inputs).pow(2).mean()
-
-
-MODELS = {"cnn": cnn, "mlp": deep_mlp}
 
 
 class Runner:
@@ -101,7 +80,9 @@ def measure(model_name: str, rounds: int, steps: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--models", nargs="+", default=["cnn", "mlp", "transformer"], choices=list(MODELS)
+    )
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()

@@ -84,6 +84,9 @@ class GradtrackConfig(BaseModel):
         "drop_oldest", description="When the queue is full: drop the oldest step, or wait."
     )
     max_batch_steps: PositiveInt = Field(32, description="Steps handed to a sink in one write.")
+    batch_wait_s: float = Field(
+        0.5, ge=0, description="How long the worker lets steps gather before handing them on."
+    )
     flush_timeout_s: float = Field(30.0, gt=0, description="How long close() waits for sinks.")
     console_interval_s: float = Field(
         5.0, ge=0, description="The console sink prints a table at most this often."

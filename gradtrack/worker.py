@@ -78,10 +78,16 @@ class Mailbox:
             self._items.append(item)
             self._changed.notify_all()
 
-    def take(self, max_steps: int) -> list[_Item]:
-        """Wait for work; return up to ``max_steps`` steps, stopping after a control message."""
+    def take(self, max_steps: int, gather_s: float = 0.0) -> list[_Item]:
+        """Wait for work; return up to ``max_steps`` steps, stopping after a control message.
+
+        Once a step is waiting, wait up to ``gather_s`` more for others to join it (unless a
+        control message, a full batch or an urgent step arrives): fewer, larger hand-offs.
+        """
         with self._changed:
             self._changed.wait_for(lambda: bool(self._items))
+            if gather_s > 0:
+                self._changed.wait_for(lambda: self._ready(max_steps), timeout=gather_s)
             taken: list[_Item] = []
             while self._items and len(taken) < max_steps:
                 item = self._items.popleft()
@@ -91,6 +97,11 @@ class Mailbox:
                 self._steps -= 1
             self._changed.notify_all()
             return taken
+
+    def _ready(self, max_steps: int) -> bool:
+        return self._steps >= max_steps or any(
+            isinstance(item, _Control) or item.evaluated is not None for item in self._items
+        )
 
 
 class Worker:
@@ -117,6 +128,7 @@ class Worker:
         self._hist_bins = config.hist_bins
         self._hist_scale = config.hist_scale
         self._max_batch_steps = config.max_batch_steps
+        self._gather_s = config.batch_wait_s
         self._on_alert = on_alert
         self._on_raise = on_raise
         self._activation_names = tuple(activation_names)
@@ -130,14 +142,19 @@ class Worker:
             return True
         control = _Control(kind)
         self._mailbox.put_control(control)
-        return control.done.wait(timeout_s)
+        done = control.done.wait(timeout_s)
+        if done and kind == "stop":
+            # Let the thread end (and free its tensors) before the caller goes on: at
+            # interpreter exit a worker still tearing down can abort the process.
+            self._thread.join(timeout_s)
+        return done
 
     def _run(self) -> None:
         _yield_cpu_to_training()
         while True:
             records: list[StepRecord] = []
             events: list[AlertEvent] = []
-            for item in self._mailbox.take(self._max_batch_steps):
+            for item in self._mailbox.take(self._max_batch_steps, self._gather_s):
                 if isinstance(item, PendingStep):
                     self._process(item, records, events)
                     continue

@@ -49,7 +49,7 @@ class WandbSink:
         self._run = run
         self._owns_run = False
         self._staged_at: int | None = None  # W&B step of our row still open, if any
-        self._latest: StepRecord | None = None
+        self._extreme_names: tuple[str, str] | None = None
         self._first_nonfinite_logged = False
 
     # -- run lifecycle ---------------------------------------------------------------------
@@ -95,13 +95,24 @@ class WandbSink:
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:
         run = self._live_run()
+        # Stage each step into the open row (the user's next one), so their step count is
+        # untouched; commit first only while that row still holds one of our steps. Asking
+        # W&B for its step is a round trip, so it is asked once before and once after.
+        ours_open = self._staged_at is not None and run.step == self._staged_at
         for record in batch:
-            self._log(run, self.row(record))
-        self._latest = batch[-1]
+            if ours_open:
+                run.log({}, commit=True)
+            run.log(self.row(record), commit=False)
+            ours_open = True
+        # Had the user committed meanwhile, our last row could be in either row; taking the
+        # open one means the next step can never overwrite it (at worst it commits early).
+        self._staged_at = run.step
         extremes = batch[-1].extreme_layers()
-        if extremes is not None:
-            run.summary["gradtrack/weakest_layer"] = extremes[0][0]
-            run.summary["gradtrack/strongest_layer"] = extremes[1][0]
+        names = None if extremes is None else (extremes[0][0], extremes[1][0])
+        if names is not None and names != self._extreme_names:
+            self._extreme_names = names
+            run.summary["gradtrack/weakest_layer"] = names[0]
+            run.summary["gradtrack/strongest_layer"] = names[1]
 
     def row(self, record: StepRecord) -> dict[str, Any]:
         """The history row for one step: metrics, histograms and, when due, the profile."""
@@ -135,17 +146,6 @@ class WandbSink:
         return wandb.plot.line(
             table, "depth", "log10_norm", title=f"gradient flow by depth, step {record.step}"
         )
-
-    def _log(self, run: Run, row: dict[str, Any]) -> None:
-        # Stage into the open row (the user's next one), so their step count is untouched;
-        # commit first only if that row still holds one of our steps.
-        if self._staged_at is not None and run.step == self._staged_at:
-            run.log({}, commit=True)
-        run.log(row, commit=False)
-        # Read after logging: had the user committed meanwhile, our row could be in either
-        # row; taking the open one means the next step can never overwrite it (at worst it
-        # commits one row early).
-        self._staged_at = run.step
 
     def alert(self, event: AlertEvent) -> None:
         from wandb.sdk.wandb_alerts import AlertLevel
