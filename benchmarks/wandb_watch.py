@@ -65,6 +65,7 @@ def measure(model_name: str, freq: int, rounds: int, steps: int, run: Any) -> di
                 hist_every=freq, model_name=f"{model_name}{freq}", wandb={"profile_every": None},
             )  # fmt: skip
             variant.close = watcher.close
+            gradtrack_watcher = watcher
     for variant in variants.values():
         variant.run(run, 5, record=False)
     for _ in range(rounds):
@@ -73,7 +74,7 @@ def measure(model_name: str, freq: int, rounds: int, steps: int, run: Any) -> di
     for variant in variants.values():
         variant.close()
     base = statistics.median(variants["base"].times)
-    return {"base_ms": base * 1e3} | {
+    return {"base_ms": base * 1e3, "dropped": gradtrack_watcher.dropped_steps} | {
         name: statistics.median(v.times) / base for name, v in variants.items() if name != "base"
     }
 
@@ -94,18 +95,18 @@ def main() -> None:
         run = wandb.init(project="gradtrack-bench", mode="offline", dir=directory)
         threads = torch.get_num_threads()
         print(f"torch {torch.__version__}, {threads} threads, wandb {wandb.__version__}")
-        print("model | N | base ms | wandb.watch | gradtrack | gradtrack/wandb.watch overhead")
+        print(
+            "model | N | base ms | wandb.watch | gradtrack | gradtrack/wandb.watch overhead"
+            " | steps gradtrack dropped"
+        )
         for model_name in args.models:
             for freq in args.freqs:
                 r = measure(model_name, freq, args.rounds, args.steps, run)
-                share = (
-                    (r["gradtrack"] - 1) / (r["wandb.watch"] - 1)
-                    if r["wandb.watch"] > 1
-                    else float("nan")
-                )
+                watch_cost = r["wandb.watch"] - 1
+                share = f"{(r['gradtrack'] - 1) / watch_cost:.2f}" if watch_cost > 0.02 else "n/a"
                 print(
                     f"{model_name} | {freq} | {r['base_ms']:.1f} | {r['wandb.watch']:.2f}x | "
-                    f"{r['gradtrack']:.2f}x | {share:.2f}",
+                    f"{r['gradtrack']:.2f}x | {share} | {r['dropped']}",
                     flush=True,
                 )
         run.finish()
