@@ -51,6 +51,26 @@ class WandbOptions(BaseModel):
     )
 
 
+class MlflowOptions(BaseModel):
+    """Where the MLflow sink logs, and how it rides out an unreachable server."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tracking_uri: str | None = Field(
+        None, description="Default: MLFLOW_TRACKING_URI, else MLflow's (sqlite:///mlflow.db)."
+    )
+    experiment: str = Field("gradtrack", description="Experiment of a run gradtrack starts.")
+    run_name: str | None = Field(None, description="Name of a run gradtrack starts.")
+    request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one request.")
+    max_buffered_steps: PositiveInt = Field(
+        10_000, description="Steps kept while the server is unreachable; then the oldest go."
+    )
+    retry_max_s: float = Field(30.0, gt=0, description="Longest wait between retries.")
+    hist_chunk_steps: PositiveInt = Field(
+        100, description="Histogram steps per stored file (also written at flush and close)."
+    )
+
+
 class GradtrackConfig(BaseModel):
     """Everything that decides what gradtrack watches, how often, and how it hands data on.
 
@@ -102,6 +122,7 @@ class GradtrackConfig(BaseModel):
         "several watched models can share one run.",
     )
     wandb: WandbOptions = Field(default_factory=WandbOptions, description="W&B sink options.")
+    mlflow: MlflowOptions = Field(default_factory=MlflowOptions, description="MLflow options.")
 
     @field_validator("include", "exclude", mode="before")
     @classmethod

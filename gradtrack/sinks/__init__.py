@@ -3,16 +3,19 @@
 from gradtrack.sinks.base import GradientSink, create_sink, register_sink, registered_sinks
 from gradtrack.sinks.console import ConsoleSink
 from gradtrack.sinks.memory import MemorySink
+from gradtrack.sinks.mlflow import MlflowSink
 from gradtrack.sinks.wandb import WandbSink
 
 register_sink("console", lambda config: ConsoleSink(interval_s=config.console_interval_s))
 register_sink("memory", lambda config: MemorySink())
 register_sink("wandb", WandbSink)
+register_sink("mlflow", MlflowSink)
 
 __all__ = [
     "ConsoleSink",
     "GradientSink",
     "MemorySink",
+    "MlflowSink",
     "WandbSink",
     "create_sink",
     "register_sink",

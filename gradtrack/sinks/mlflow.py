@@ -1,0 +1,325 @@
+"""MLflow sink: batched metrics, histogram files, alert tags — and nothing lost to a bad server.
+
+Steps wait in a bounded buffer and go out as `log-batch` requests of several steps; when the
+server is unreachable they stay there, retried with backoff, and arrive in order once it is
+back. mlflow is imported only in the worker thread, at the first write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.config import GradtrackConfig
+from gradtrack.histogram_store import HistogramEntry, read_chunks, write_chunk
+from gradtrack.record import StepRecord, scalar_metrics
+from gradtrack.sinks.mlflow_tracking import (
+    MAX_ITEMS_PER_BATCH,
+    MAX_METRICS_PER_BATCH,
+    MAX_TAGS_PER_BATCH,
+    PermanentError,
+    Tracking,
+    connect,
+)
+from gradtrack.sinks.wandb import require_module
+
+HISTOGRAM_DIR = "gradtrack/histograms"
+ALERTS_DIR = "gradtrack"
+ALERTS_FILE = "alerts.jsonl"
+DROPPED_KEY = "gradtrack/dropped"
+_MAX_TAG_CHARS = 5000
+
+
+class _Step:
+    """One step's metrics and tags waiting to be sent; ``sent`` counts metrics already out."""
+
+    __slots__ = ("metrics", "sent", "tags")
+
+    def __init__(self, metrics: list[tuple[str, float, int, int]], tags: list[tuple[str, str]]):
+        self.metrics, self.tags, self.sent = metrics, tags, 0
+
+
+class MlflowSink:
+    """Logs every step to an MLflow run (the active one, or one it starts and ends)."""
+
+    def __init__(self, config: GradtrackConfig | None = None, run_id: str | None = None) -> None:
+        require_module("mlflow", "mlflow")
+        self.config = config or GradtrackConfig()
+        self.options = self.config.mlflow
+        self.tracking_uri = self.options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        self.run_id = run_id
+        if run_id is None and "mlflow" in sys.modules:  # only then can a run be active
+            import mlflow
+
+            active = mlflow.active_run()
+            if active is not None:  # captured here: MLflow's active run is per thread
+                self.run_id = active.info.run_id
+                self.tracking_uri = self.tracking_uri or mlflow.get_tracking_uri()
+        self.owns_run = False
+        self.dropped = 0
+        self.failures = 0
+        self._tracking: Tracking | None = None
+        self._artifact_uri: str | None = None
+        self._pending: deque[_Step] = deque()
+        self._uploads: deque[tuple[Path, str]] = deque()
+        self._histograms: list[HistogramEntry] = []
+        self._histogram_steps: set[int] = set()
+        self._staging = Path(tempfile.mkdtemp(prefix="gradtrack-mlflow-"))
+        self._alerts_path = self._staging / ALERTS_FILE
+        self._alert_count = 0
+        self._first_nonfinite_logged = False
+        self._reported_dropped = 0
+        self._extreme_names: tuple[str, str] | None = None
+        self._retry_at = 0.0
+        self._backoff_s = 0.0
+        self._outage_reported = False
+
+    # -- GradientSink ----------------------------------------------------------------------
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        for record in batch:
+            self._buffer(record)
+        self._pump(until=None)
+
+    def alert(self, event: AlertEvent) -> None:
+        self._alert_count += 1
+        with self._alerts_path.open("a") as alerts:
+            alerts.write(event.model_dump_json() + "\n")
+        tags = [
+            ("gradtrack.alert.count", str(self._alert_count)),
+            ("gradtrack.alert.last", f"step {event.step}: {event.message}"[:_MAX_TAG_CHARS]),
+        ]
+        if event.rule == "nonfinite" and not self._first_nonfinite_logged:
+            self._first_nonfinite_logged = True
+            tags += [
+                ("gradtrack.first_nonfinite_step", str(event.step)),
+                ("gradtrack.first_nonfinite_layer", event.origin_layer or ""),
+                ("gradtrack.first_nonfinite_stage", event.origin_stage or ""),
+            ]
+        self._pending.append(_Step([], tags))
+        self._queue_upload(self._alerts_path, ALERTS_DIR)
+        self._pump(until=None)
+
+    def flush(self) -> None:
+        """Send everything now; during an outage, try once and leave the rest buffered."""
+        self._write_histogram_chunk()
+        self._retry_at = min(self._retry_at, time.monotonic())
+        self._pump(until=None)
+
+    def close(self) -> None:
+        self._write_histogram_chunk()
+        # Retry within the watcher's own close timeout, with room left to end the run.
+        self._pump(until=time.monotonic() + 0.8 * self.config.flush_timeout_s)
+        if self.owns_run and self.run_id is not None and not self._pending:
+            try:
+                self._connection().end_run(self.run_id)
+            except Exception as exc:
+                _warn(f"gradtrack could not end MLflow run {self.run_id}: {exc!r}")
+        if self._pending or self._uploads:
+            _warn(
+                f"gradtrack's MLflow sink closes with {len(self._pending)} steps and "
+                f"{len(self._uploads)} files not delivered ({self.tracking_uri}); "
+                f"kept files: {self._staging}"
+            )
+        else:
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+    # -- buffering -------------------------------------------------------------------------
+    def _buffer(self, record: StepRecord) -> None:
+        timestamp = int(record.wall_time * 1000)
+        metrics = [
+            (key, value, timestamp, record.step) for key, value in scalar_metrics(record).items()
+        ]
+        tags = self._extreme_tags(record)
+        while len(self._pending) >= self.options.max_buffered_steps:
+            self._pending.popleft()
+            self.dropped += 1
+            if self.dropped == 1:
+                _warn(
+                    f"gradtrack's MLflow buffer is full ({self.options.max_buffered_steps} steps):"
+                    " dropping the oldest; the count is logged as gradtrack/dropped"
+                )
+        if self.dropped != self._reported_dropped:
+            self._reported_dropped = self.dropped
+            metrics.append((DROPPED_KEY, float(self.dropped), timestamp, record.step))
+        self._pending.append(_Step(metrics, tags))
+        for layer, histogram in record.histograms.items():
+            self._histograms.append((record.step, layer, histogram))
+            self._histogram_steps.add(record.step)
+        if len(self._histogram_steps) >= self.options.hist_chunk_steps:
+            self._write_histogram_chunk()
+
+    def _extreme_tags(self, record: StepRecord) -> list[tuple[str, str]]:
+        extremes = record.extreme_layers()
+        names = None if extremes is None else (extremes[0][0], extremes[1][0])
+        if names is None or names == self._extreme_names:
+            return []
+        self._extreme_names = names
+        return [("gradtrack.weakest_layer", names[0]), ("gradtrack.strongest_layer", names[1])]
+
+    def _write_histogram_chunk(self) -> None:
+        if not self._histograms:
+            return
+        path = write_chunk(self._staging, self._histograms)
+        self._histograms, self._histogram_steps = [], set()
+        self._queue_upload(path, HISTOGRAM_DIR)
+
+    def _queue_upload(self, path: Path, artifact_dir: str) -> None:
+        if (path, artifact_dir) not in self._uploads:
+            self._uploads.append((path, artifact_dir))
+
+    # -- sending ---------------------------------------------------------------------------
+    def _pump(self, until: float | None) -> None:
+        """Send what is buffered; on failure back off, and wait it out only until ``until``."""
+        while self._pending or self._uploads:
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                if until is None or time.monotonic() + wait > until:
+                    return
+                time.sleep(wait)
+            try:
+                self._send_next()
+            except PermanentError as exc:
+                _warn(f"MLflow refused part of gradtrack's data, which is dropped: {exc}")
+                self._drop_head()
+            except Exception as exc:  # unreachable, timed out, 5xx: keep it and retry
+                self._fail(exc)
+            else:
+                self._recovered()
+
+    def _send_next(self) -> None:
+        tracking = self._connection()
+        if self.run_id is None:
+            self._start_run(tracking)
+        assert self.run_id is not None
+        if self._pending:
+            metrics, tags, plan = self._next_request()
+            tracking.log_batch(self.run_id, metrics, tags)
+            for step, sent_metrics, done in plan:
+                step.sent += sent_metrics
+                if done:
+                    self._pending.popleft()
+            return
+        path, artifact_dir = self._uploads[0]
+        if self._artifact_uri is None:
+            self._artifact_uri = tracking.artifact_uri(self.run_id)
+        tracking.log_artifact(self.run_id, self._artifact_uri, path, artifact_dir)
+        self._uploads.popleft()
+
+    def _next_request(
+        self,
+    ) -> tuple[list[Any], list[tuple[str, str]], list[tuple[_Step, int, bool]]]:
+        """Metrics and tags of the oldest steps, within MLflow's per-request limits; the plan
+        says how many metrics of which step go out and whether that finishes the step."""
+        metrics: list[tuple[str, float, int, int]] = []
+        tags: list[tuple[str, str]] = []
+        plan: list[tuple[_Step, int, bool]] = []
+        for step in self._pending:
+            step_tags = step.tags if step.sent == 0 else []  # tags go with a step's first part
+            room = MAX_ITEMS_PER_BATCH - len(metrics) - len(tags) - len(step_tags)
+            if plan and (len(tags) + len(step_tags) > MAX_TAGS_PER_BATCH or room <= 0):
+                break
+            take = step.metrics[step.sent : step.sent + min(room, MAX_METRICS_PER_BATCH)]
+            metrics.extend(take)
+            tags.extend(step_tags)
+            done = step.sent + len(take) == len(step.metrics)
+            plan.append((step, len(take), done))
+            if not done:
+                break
+        return metrics, tags, plan
+
+    def _drop_head(self) -> None:
+        if self._pending:
+            self._pending.popleft()
+            self.dropped += 1
+        elif self._uploads:
+            self._uploads.popleft()
+
+    def _connection(self) -> Tracking:
+        if self._tracking is None:
+            if self.tracking_uri is None:
+                import mlflow
+
+                self.tracking_uri = mlflow.get_tracking_uri()
+            self._tracking = connect(self.tracking_uri, self.options.request_timeout_s)
+        return self._tracking
+
+    def _start_run(self, tracking: Tracking) -> None:
+        experiment_id = tracking.experiment_id(self.options.experiment)
+        self.run_id, self._artifact_uri = tracking.create_run(experiment_id, self.options.run_name)
+        self.owns_run = True
+
+    def _fail(self, error: Exception) -> None:
+        self.failures += 1
+        self._backoff_s = min(self.options.retry_max_s, max(0.5, self._backoff_s * 2))
+        self._retry_at = time.monotonic() + self._backoff_s
+        if not self._outage_reported:
+            self._outage_reported = True
+            _warn(
+                f"gradtrack cannot reach MLflow at {self.tracking_uri} ({error!r}); steps are "
+                f"buffered (up to {self.options.max_buffered_steps}) and retried with backoff"
+            )
+
+    def _recovered(self) -> None:
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._outage_reported = False
+
+
+def read_histograms(
+    run_id: str, tracking_uri: str | None = None
+) -> dict[str, list[tuple[int, Any]]]:
+    """Load the histograms gradtrack stored in an MLflow run: ``{layer: [(step, Histogram)]}``.
+
+    >>> read_histograms  # doctest: +ELLIPSIS
+    <function read_histograms at ...>
+    """
+    require_module("mlflow", "mlflow")
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    client = MlflowClient(tracking_uri)
+    if not any(f.path == HISTOGRAM_DIR for f in client.list_artifacts(run_id, "gradtrack")):
+        return {}
+    with tempfile.TemporaryDirectory() as directory:
+        local = download_artifacts(
+            run_id=run_id, artifact_path=HISTOGRAM_DIR, dst_path=directory,
+            tracking_uri=tracking_uri,
+        )  # fmt: skip
+        return read_chunks(Path(local).glob("hist-*.npz"))
+
+
+def read_alerts(run_id: str, tracking_uri: str | None = None) -> list[AlertEvent]:
+    """The alert events gradtrack stored in an MLflow run's ``gradtrack/alerts.jsonl``."""
+    require_module("mlflow", "mlflow")
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    client = MlflowClient(tracking_uri)
+    names = {f.path for f in client.list_artifacts(run_id, ALERTS_DIR)}
+    if f"{ALERTS_DIR}/{ALERTS_FILE}" not in names:
+        return []
+    with tempfile.TemporaryDirectory() as directory:
+        local = download_artifacts(
+            run_id=run_id, artifact_path=f"{ALERTS_DIR}/{ALERTS_FILE}", dst_path=directory,
+            tracking_uri=tracking_uri,
+        )  # fmt: skip
+        lines = Path(local).read_text().splitlines()
+    return [AlertEvent.model_validate(json.loads(line)) for line in lines if line]
+
+
+def _warn(message: str) -> None:
+    # Called on the worker thread: a warning turned into an error must not stop the sink.
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    except Exception:
+        pass

@@ -1,0 +1,71 @@
+"""A real `mlflow server` process on a free loopback port, for the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class MlflowServer:
+    """``mlflow server`` with one worker and no job runner, on 127.0.0.1."""
+
+    def __init__(self, backend_store_uri: str, root: Path, port: int | None = None) -> None:
+        self.backend_store_uri = backend_store_uri
+        self.root = root
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 90.0) -> MlflowServer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        command = [
+            str(Path(sys.executable).parent / "mlflow"), "server",
+            "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+            "--backend-store-uri", self.backend_store_uri,
+            "--artifacts-destination", str(self.root / "artifacts"),
+        ]  # fmt: skip
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        with (self.root / "server.log").open("ab") as log:  # the child keeps its own handle
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"mlflow server exited: {(self.root / 'server.log').read_text()[-3000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"mlflow server not healthy after {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=15)

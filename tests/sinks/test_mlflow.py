@@ -1,0 +1,283 @@
+"""The MLflow sink against real `mlflow server` processes and the embedded SQLite default."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.sinks import MemorySink, MlflowSink
+from gradtrack.sinks.mlflow import DROPPED_KEY, read_alerts, read_histograms
+from tests.conftest import NoUpdate, SmallCNN, cnn_batch
+from tests.sinks.mlflow_server import MlflowServer, free_port
+
+mlflow = pytest.importorskip("mlflow")
+
+
+def train(
+    model: nn.Module, watcher_steps: range, optimizer: Any, nan_at: int | None = None
+) -> None:
+    for step in watcher_steps:
+        images, labels = cnn_batch(batch_size=4, seed=step)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(images), labels).backward()
+        if step == nan_at:
+            model[3].weight.grad[0, 0, 0, 0] = float("nan")
+        optimizer.step()
+
+
+def histories(uri: str, run_id: str, keys: list[str]) -> dict[str, list[tuple[int, float]]]:
+    client = mlflow.MlflowClient(uri)
+    return {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        for key in keys
+    }
+
+
+def assert_same_series(got: list[tuple[int, float]], expected: list[tuple[int, float]]) -> None:
+    assert [s for s, _ in got] == [s for s, _ in expected]
+    for (_, a), (_, b) in zip(got, expected):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12)
+
+
+def test_round_trip_through_a_tracking_server(mlflow_server: MlflowServer) -> None:
+    torch.manual_seed(0)
+    model = SmallCNN()
+    optimizer = NoUpdate(model.parameters())
+    memory = MemorySink()
+    options = {"tracking_uri": mlflow_server.uri, "experiment": "round-trip", "run_name": "cnn"}
+    with gradtrack.watch(
+        model, backend=["mlflow", memory], optimizer=optimizer, log_every=2, hist_every=6,
+        hist_sample_size=500, mlflow={**options, "hist_chunk_steps": 2},
+    ) as watcher:  # fmt: skip
+        train(model, range(24), optimizer, nan_at=10)
+    sink = watcher.sinks[0]
+    assert isinstance(sink, MlflowSink) and watcher.sink_errors["0:MlflowSink"] == 0
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    run = client.get_run(sink.run_id)
+    assert (run.info.status, run.info.run_name) == ("FINISHED", "cnn")
+    expected = memory.scalars()
+    assert set(run.data.metrics) == set(expected)
+    for key, series in histories(mlflow_server.uri, sink.run_id, list(expected)).items():
+        assert_same_series(series, expected[key])
+
+    stored = read_histograms(sink.run_id, mlflow_server.uri)
+    for layer, series in memory.histograms().items():
+        assert [step for step, _ in stored[layer]] == [step for step, _ in series] == [0, 6, 12, 18]
+        for (_, got), (_, want) in zip(stored[layer], series):
+            np.testing.assert_array_equal(got.counts, want.counts)
+            np.testing.assert_array_equal(got.edges, want.edges)
+    files = [f.path for f in client.list_artifacts(sink.run_id, "gradtrack/histograms")]
+    assert len(files) == 2  # two steps per file: 0+6, 12+18
+
+    tags = run.data.tags
+    assert tags["gradtrack.first_nonfinite_step"] == "10"
+    assert tags["gradtrack.first_nonfinite_layer"] == "3"
+    assert int(tags["gradtrack.alert.count"]) == len(memory.events) >= 1
+    last = memory.events[-1]
+    assert tags["gradtrack.alert.last"] == f"step {last.step}: {last.message}"
+    assert any(e.rule == "nonfinite" and e.step == 10 for e in memory.events)
+    alerts = read_alerts(sink.run_id, mlflow_server.uri)
+    assert [e.model_dump() for e in alerts] == [e.model_dump() for e in memory.events]
+    assert tags["gradtrack.weakest_layer"] in {"0", "3", "7"}
+
+
+def test_an_active_run_is_reused_and_left_open(mlflow_server: MlflowServer) -> None:
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    try:
+        with mlflow.start_run(run_name="users-own") as run:
+            model = nn.Linear(3, 1)
+            with gradtrack.watch(model, backend="mlflow", log_every=1) as watcher:
+                model(torch.randn(2, 3)).sum().backward()
+            assert watcher.sinks[0].run_id == run.info.run_id
+            assert mlflow.MlflowClient().get_run(run.info.run_id).info.status == "RUNNING"
+        history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "grad/total_norm")
+        assert [m.step for m in history] == [0]
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_embedded_default_is_mlflow_db_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model = nn.Linear(3, 1)
+    with gradtrack.watch(model, backend="mlflow", log_every=1, mlflow={"run_name": "local"}) as w:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+    assert (tmp_path / "mlflow.db").exists()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(w.sinks[0].run_id)
+    assert run.info.run_name == "local" and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "grad/total_norm")] == [
+        0,
+        1,
+        2,
+    ]
+
+
+def outage_config(uri: str, **more: Any) -> dict[str, Any]:
+    return {"tracking_uri": uri, "retry_max_s": 1.0, "request_timeout_s": 2.0, **more}
+
+
+def test_server_down_at_start_then_killed_and_restarted_loses_nothing(tmp_path: Path) -> None:
+    server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)  # not started yet
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    memory = MemorySink()
+    watcher = gradtrack.watch(
+        model, backend=["mlflow", memory], log_every=1, hist_every=5, batch_wait_s=0.05,
+        mlflow=outage_config(server.uri),
+    )  # fmt: skip
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            model(torch.randn(4, 4)).pow(2).sum().backward()
+            model.zero_grad()
+
+    try:
+        with pytest.warns(RuntimeWarning, match="cannot reach MLflow"):
+            steps(10)  # unreachable at start
+            watcher.flush()
+        server.start()
+        steps(10)
+        watcher.flush()
+        server.stop()  # dropped mid-run
+        with pytest.warns(RuntimeWarning, match="cannot reach MLflow"):
+            steps(10)
+            watcher.flush()
+        server.start()  # back, on the same store
+        steps(10)
+        watcher.close()
+        sink = watcher.sinks[0]
+        assert sink.failures >= 2 and sink.dropped == 0 and watcher.dropped_steps == 0
+        expected = memory.scalars()
+        got = histories(server.uri, sink.run_id, list(expected))
+        for key, series in expected.items():
+            assert_same_series(got[key], series)  # every step once, in order, no duplicates
+        assert len(got["grad/total_norm"]) == 40
+        stored = read_histograms(sink.run_id, server.uri)
+        assert [s for s, _ in stored["0"]] == [0, 5, 10, 15, 20, 25, 30, 35]
+    finally:
+        server.stop()
+
+
+def test_a_tiny_buffer_drops_the_oldest_and_logs_the_count(tmp_path: Path) -> None:
+    server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)
+    model = nn.Linear(4, 1)
+    watcher = gradtrack.watch(
+        model, backend="mlflow", log_every=1, hist_every=None, batch_wait_s=0.0,
+        mlflow=outage_config(server.uri, max_buffered_steps=3),
+    )  # fmt: skip
+    try:
+        with pytest.warns(RuntimeWarning) as caught:
+            for _ in range(10):
+                model(torch.randn(2, 4)).sum().backward()
+                watcher.flush()
+        messages = [str(w.message) for w in caught]
+        assert any("cannot reach MLflow" in m for m in messages)
+        assert sum("buffer is full" in m for m in messages) == 1  # warned once, then counted
+        server.start()
+        model(torch.randn(2, 4)).sum().backward()
+        watcher.close()
+        sink = watcher.sinks[0]
+        assert sink.dropped == 8  # 11 steps, 3 kept at the moment the server came back
+        client = mlflow.MlflowClient(server.uri)
+        kept = [m.step for m in client.get_metric_history(sink.run_id, "grad/total_norm")]
+        assert kept == [8, 9, 10]
+        dropped = client.get_metric_history(sink.run_id, DROPPED_KEY)
+        assert [(m.step, m.value) for m in dropped][-1] == (10, 8.0)
+    finally:
+        server.stop()
+
+
+def test_close_waits_at_most_the_flush_timeout_for_an_unreachable_server() -> None:
+    model = nn.Linear(4, 1)
+    uri = f"http://127.0.0.1:{free_port()}"
+    watcher = gradtrack.watch(
+        model, backend="mlflow", log_every=1, hist_every=None, flush_timeout_s=2.0,
+        mlflow=outage_config(uri),
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(5):
+            model(torch.randn(2, 4)).sum().backward()  # training never waits on the server
+        start = time.monotonic()
+        watcher.close()
+        waited_s = time.monotonic() - start
+    messages = [str(w.message) for w in caught]
+    assert any("cannot reach MLflow" in m for m in messages)
+    assert any("5 steps and 0 files not delivered" in m for m in messages)
+    assert watcher.sinks[0].run_id is None
+    assert waited_s < 2.0 + 5.0  # the bound is flush_timeout_s; the rest is slack for a busy box
+
+
+def test_keys_mlflow_refuses_are_mapped_not_lost(mlflow_server: MlflowServer) -> None:
+    model = nn.ModuleDict({"enc@0": nn.Linear(2, 2), "head[1]": nn.Linear(2, 1)})
+    with gradtrack.watch(
+        model, backend="mlflow", log_every=1, mlflow={"tracking_uri": mlflow_server.uri}
+    ) as watcher:
+        model["head[1]"](model["enc@0"](torch.randn(3, 2))).sum().backward()
+    run = mlflow.MlflowClient(mlflow_server.uri).get_run(watcher.sinks[0].run_id)
+    assert {"grad_norm/enc_0", "grad_norm/head_1_"} <= set(run.data.metrics)
+
+
+def test_missing_mlflow_names_the_extra_to_install() -> None:
+    code = textwrap.dedent(
+        """
+        import importlib.util, sys
+        real_find_spec = importlib.util.find_spec
+        importlib.util.find_spec = lambda n, p=None: None if n == "mlflow" else real_find_spec(n, p)
+        sys.modules["mlflow"] = None
+        import torch, gradtrack
+        try:
+            gradtrack.watch(torch.nn.Linear(2, 2), backend="mlflow")
+        except gradtrack.GradtrackError as error:
+            print(error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert "pip install gradtrack[mlflow]" in result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    uri = os.environ.get("GRADTRACK_POSTGRES_URI")
+    if not uri:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide GRADTRACK_POSTGRES_URI (.ci/run starts PostgreSQL)")
+        pytest.skip("no PostgreSQL here: set GRADTRACK_POSTGRES_URI (as .ci/run does)")
+    root = tmp_path_factory.mktemp("mlflow-postgres")
+    server = MlflowServer(uri, root).start()
+    yield server
+    server.stop()
+
+
+def test_round_trip_with_a_postgresql_backend_store(postgres_server: MlflowServer) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    memory = MemorySink()
+    with gradtrack.watch(
+        model, backend=["mlflow", memory], log_every=1, hist_every=2,
+        mlflow={"tracking_uri": postgres_server.uri, "experiment": "postgres"},
+    ) as watcher:  # fmt: skip
+        for _ in range(6):
+            model(torch.randn(4, 4)).sum().backward()
+            model.zero_grad()
+    run_id = watcher.sinks[0].run_id
+    expected = memory.scalars()
+    for key, series in histories(postgres_server.uri, run_id, list(expected)).items():
+        assert_same_series(series, expected[key])
+    assert [s for s, _ in read_histograms(run_id, postgres_server.uri)["0"]] == [0, 2, 4]
