@@ -255,11 +255,11 @@ def test_missing_mlflow_names_the_extra_to_install() -> None:
 
 @pytest.fixture(scope="module")
 def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    uri = os.environ.get("GRADTRACK_POSTGRES_URI")
+    uri = os.environ.get("POSTGRES_TEST_URI")
     if not uri:
         if os.environ.get("CI"):
-            pytest.fail("CI must provide GRADTRACK_POSTGRES_URI (.ci/run starts PostgreSQL)")
-        pytest.skip("no PostgreSQL here: set GRADTRACK_POSTGRES_URI (as .ci/run does)")
+            pytest.fail("CI must provide POSTGRES_TEST_URI (.ci/run starts PostgreSQL)")
+        pytest.skip("no PostgreSQL here: set POSTGRES_TEST_URI (as .ci/run does)")
     root = tmp_path_factory.mktemp("mlflow-postgres")
     server = MlflowServer(uri, root).start()
     yield server
