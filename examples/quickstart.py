@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.sinks import MemorySink
+from gradtrack.sinks import MemorySink, MlflowSink
 
 
 def make_cnn() -> nn.Sequential:
@@ -38,7 +38,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--backend", nargs="+", default=["console"], help="registered sink names")
+    parser.add_argument(
+        "--backend", nargs="+", default=["console", "mlflow"],
+        help="registered sink names (default: the console and MLflow's embedded sqlite store)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -51,6 +54,7 @@ def main() -> None:
         optimizer=optimizer,
         log_every=args.log_every,
         console_interval_s=1.0,
+        mlflow={"experiment": "gradtrack-quickstart"},
     )
     start = time.perf_counter()
     with watcher:
@@ -70,6 +74,10 @@ def main() -> None:
         values = [value for _, value in norms[f"grad_norm/{layer}"]]
         mean = sum(values) / len(values)
         print(f"  {layer:<6} {values[0]:>10.3e} {mean:>10.3e} {values[-1]:>10.3e}")
+    for sink in watcher.sinks:
+        if isinstance(sink, MlflowSink) and sink.run_id is not None:
+            print(f"\nMLflow run {sink.run_id} in {sink.tracking_uri}; browse it with:")
+            print(f"  mlflow ui --backend-store-uri {sink.tracking_uri}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def test_every_published_port_is_bound_to_loopback(compose: dict[str, Any]) -> N
     assert ports and all(str(p).startswith("127.0.0.1:") for p in ports)
 
 
-def test_no_secret_in_the_file_and_only_the_example_env_is_committed(compose: dict[str, Any]) -> None:
+def test_no_secret_in_the_file_and_only_the_example_env_is_committed(
+    compose: dict[str, Any],
+) -> None:
     used = set(re.findall(r"\$\{(\w+)\}", (ROOT / "docker-compose.yml").read_text()))
     example = dict(
         line.split("=", 1)

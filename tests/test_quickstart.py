@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,14 +10,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quickstart_trains_and_prints_gradient_flow() -> None:
+def test_quickstart_trains_and_prints_gradient_flow(tmp_path: Path) -> None:
     demo = ROOT / "examples" / "quickstart.py"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     result = subprocess.run(
         [sys.executable, str(demo), "--steps", "30", "--log-every", "5"],
-        capture_output=True, text=True, timeout=300, check=True,
+        capture_output=True, text=True, timeout=300, check=True, cwd=tmp_path, env=env,
     )  # fmt: skip
     out = result.stdout
     assert "gradtrack step 0: total gradient norm" in out
     assert "gradtrack step 25: total gradient norm" in out  # the last logged step, at close
     flow = out.split("gradient flow (L2 norm per layer, by depth):")[1].splitlines()
     assert [line.split()[0] for line in flow[2:5]] == ["0", "3", "7"]
+    # The embedded default backend: MLflow's sqlite store in the working directory.
+    assert "mlflow ui --backend-store-uri sqlite:///" in out
+    assert (tmp_path / "mlflow.db").exists()
