@@ -234,3 +234,20 @@ def test_sink_constructs_without_importing_wandb() -> None:
     )
     assert result.stdout.strip() == "False", result.stderr
     assert WandbSink  # the class is part of gradtrack.sinks
+
+
+def test_a_watcher_never_closed_is_flushed_at_exit(offline: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import torch, gradtrack
+        model = torch.nn.Linear(3, 1)
+        gradtrack.watch(model, backend="wandb", log_every=1, wandb={"name": "never-closed"})
+        for _ in range(5):
+            model(torch.randn(2, 3)).sum().backward()
+        # no close(), no wandb.finish(): exit must flush both, and not hang
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=offline, timeout=120, check=True)
+    records = read_records(run_dirs(offline)[0])
+    assert [row["gradtrack/step"] for row in history(records)] == [0, 1, 2, 3, 4]
+    assert [e.get("exit_code", 0) for e in of_type(records, "exit")] == [0]  # run finished
