@@ -78,6 +78,8 @@ def main() -> None:
         if isinstance(sink, MlflowSink) and sink.run_id is not None:
             print(f"\nMLflow run {sink.run_id} in {sink.tracking_uri}; browse it with:")
             print(f"  mlflow ui --backend-store-uri {sink.tracking_uri}")
+            print("and render its gradient-flow report (HTML and PNGs in ./gradtrack-report) with:")
+            print(f"  gradtrack report {sink.run_id} --tracking-uri {sink.tracking_uri}")
 
 
 if __name__ == "__main__":

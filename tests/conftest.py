@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from gradtrack.record import STAT_COLUMNS, StepRecord
+from tests.sinks.mlflow_server import MlflowServer
 
 
 def reference_stats(grads: Iterable[torch.Tensor]) -> dict[str, float]:
@@ -74,3 +76,13 @@ class NoUpdate(torch.optim.Optimizer):
 
     def step(self, closure: object = None) -> None:
         return None
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """One real `mlflow server` (sqlite store, local artifacts) for the whole test session."""
+    pytest.importorskip("mlflow")
+    root: Path = tmp_path_factory.mktemp("mlflow-server")
+    server = MlflowServer(f"sqlite:///{root / 'mlflow.db'}", root).start()
+    yield server
+    server.stop()

@@ -36,6 +36,7 @@ from gradtrack.sinks.wandb import require_module
 HISTOGRAM_DIR = "gradtrack/histograms"
 ALERTS_DIR = "gradtrack"
 ALERTS_FILE = "alerts.jsonl"
+LAYERS_FILE = "gradtrack/layers.json"  # layer names in depth order, for readers
 DROPPED_KEY = "gradtrack/dropped"
 _MAX_TAG_CHARS = 5000
 
@@ -80,6 +81,7 @@ class MlflowSink:
         self._first_nonfinite_logged = False
         self._reported_dropped = 0
         self._extreme_names: tuple[str, str] | None = None
+        self._layers: list[str] = []
         self._retry_at = 0.0
         self._backoff_s = 0.0
         self._outage_reported = False
@@ -127,7 +129,7 @@ class MlflowSink:
         if self._pending or self._uploads:
             _warn(
                 f"gradtrack's MLflow sink closes with {len(self._pending)} steps and "
-                f"{len(self._uploads)} files not delivered ({self.tracking_uri}); "
+                f"{len(self._uploads)} file(s) not delivered ({self.tracking_uri}); "
                 f"kept files: {self._staging}"
             )
         else:
@@ -135,6 +137,12 @@ class MlflowSink:
 
     # -- buffering -------------------------------------------------------------------------
     def _buffer(self, record: StepRecord) -> None:
+        new = [layer for layer in record.layers if layer not in self._layers]
+        if new:
+            self._layers.extend(new)
+            path = self._staging / Path(LAYERS_FILE).name
+            path.write_text(json.dumps(self._layers))
+            self._queue_upload(path, Path(LAYERS_FILE).parent.as_posix())
         timestamp = int(record.wall_time * 1000)
         metrics = [
             (key, value, timestamp, record.step) for key, value in scalar_metrics(record).items()

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
 HIST_FAMILY = "grad_hist"
+LAYERS_CONFIG_KEY = "gradtrack_layers"  # layer names in depth order, for readers
 PROFILE_FAMILY = "grad_profile"
 
 
@@ -50,6 +51,7 @@ class WandbSink:
         self._owns_run = False
         self._staged_at: int | None = None  # W&B step of our row still open, if any
         self._extreme_names: tuple[str, str] | None = None
+        self._layers: list[str] = []
         self._first_nonfinite_logged = False
 
     # -- run lifecycle ---------------------------------------------------------------------
@@ -95,6 +97,7 @@ class WandbSink:
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:
         run = self._live_run()
+        self._record_layer_order(run, batch)
         # Stage each step into the open row (the user's next one), so their step count is
         # untouched; commit first only while that row still holds one of our steps. Asking
         # W&B for its step is a round trip, so it is asked once before and once after.
@@ -113,6 +116,12 @@ class WandbSink:
             self._extreme_names = names
             run.summary["gradtrack/weakest_layer"] = names[0]
             run.summary["gradtrack/strongest_layer"] = names[1]
+
+    def _record_layer_order(self, run: Run, batch: Sequence[StepRecord]) -> None:
+        new = [layer for r in batch for layer in r.layers if layer not in self._layers]
+        if new:
+            self._layers.extend(dict.fromkeys(new))
+            run.config.update({LAYERS_CONFIG_KEY: self._layers}, allow_val_change=True)
 
     def row(self, record: StepRecord) -> dict[str, Any]:
         """The history row for one step: metrics, histograms and, when due, the profile."""
@@ -155,9 +164,8 @@ class WandbSink:
         level = levels[event.severity]
         # gradtrack's own per-rule cooldown already spaced these out; W&B's minimum wait
         # only stops it from merging distinct events that share a title.
-        run.alert(
-            title=event.title, text=event.message, level=level, wait_duration=timedelta(seconds=1)
-        )
+        text = f"step {event.step}: {event.message}"
+        run.alert(title=event.title, text=text, level=level, wait_duration=timedelta(seconds=1))
         if event.rule == "nonfinite" and not self._first_nonfinite_logged:
             self._first_nonfinite_logged = True
             run.summary["gradtrack/first_nonfinite_step"] = event.step

@@ -112,7 +112,9 @@ def test_offline_run_holds_every_step_histogram_alert_and_the_users_rows(
         assert [row["_step"] for row in user_rows] == list(range(24))
 
     (alert,) = [a for a in of_type(records, "alert") if "nonfinite" in a["title"]]
-    assert alert["level"] == "ERROR" and "NaN gradient first at 3" in alert["text"]
+    assert alert["level"] == "ERROR" and alert["text"].startswith(
+        "step 10: NaN gradient first at 3"
+    )
     run_summary = summary(records)
     assert run_summary["gradtrack/first_nonfinite_step"] == 10
     assert run_summary["gradtrack/first_nonfinite_layer"] == "3"

@@ -1,0 +1,126 @@
+"""Writes the report: PNG files and one self-contained HTML page that embeds them."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gradtrack.report import plots
+from gradtrack.report.compare import rank_layers
+from gradtrack.report.data import RunData
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def render_report(runs: list[RunData], out_dir: Path, hist_layers: list[str] | None = None) -> Path:
+    """Draw every figure for ``runs`` into ``out_dir``; return the HTML file's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shared = [layer for layer in runs[0].layers if all(layer in r.layers for r in runs)]
+    if hist_layers is None:
+        with_hist = [layer for layer in shared if all(layer in r.histograms for r in runs)]
+        hist_layers = (
+            [with_hist[i] for i in sorted({0, len(with_hist) // 2, len(with_hist) - 1})]
+            if with_hist
+            else []
+        )
+    steps = plots.profile_steps(runs)
+    figures: list[tuple[str, str, Figure]] = [
+        ("total_norm", "Total gradient norm over steps", plots.total_norm(runs)),
+        (
+            "flow_profile",
+            f"Gradient-flow profile at steps {steps}",
+            plots.flow_profile(runs, steps),
+        ),
+    ]
+    figures += [
+        (f"heatmap_{i}", f"Layers × steps: {run.name}", plots.heatmap(run))
+        for i, run in enumerate(runs)
+    ]
+    figures += [
+        (f"histograms_{i}", f"Histogram evolution: {layer}", plots.histogram_evolution(runs, layer))
+        for i, layer in enumerate(hist_layers)
+    ]
+    figures.append(("alerts", "Alert timeline", plots.alert_timeline(runs)))
+
+    sections = []
+    for name, title, figure in figures:
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
+        (out_dir / f"{name}.png").write_bytes(buffer.getvalue())
+        encoded = base64.b64encode(buffer.getvalue()).decode()
+        sections.append(
+            f'<section><h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" '
+            f'src="data:image/png;base64,{encoded}"></section>'
+        )
+    page = _PAGE.format(
+        title=html.escape(" vs ".join(run.name for run in runs)),
+        runs=_runs_table(runs),
+        ranking=_ranking_table(runs),
+        sections="\n".join(sections),
+        alerts=_alerts_table(runs),
+    )
+    path = out_dir / "report.html"
+    path.write_text(page)
+    return path
+
+
+def _runs_table(runs: list[RunData]) -> str:
+    rows = "".join(
+        f"<tr><td>{html.escape(r.name)}</td><td>{html.escape(r.source)}</td>"
+        f"<td>{len(r.steps)} ({r.steps[0]}–{r.steps[-1]})</td><td>{len(r.layers)}</td></tr>"
+        for r in runs
+    )
+    head = "<tr><th>run</th><th>source</th><th>logged steps</th><th>layers</th></tr>"
+    return f"<table>{head}{rows}</table>"
+
+
+def _ranking_table(runs: list[RunData], limit: int = 25) -> str:
+    ranked = rank_layers(runs)[:limit]
+    head = "".join(f"<th>mean log10 norm: {html.escape(r.name)}</th>" for r in runs)
+    what = "spread between runs" if len(runs) > 1 else "below the strongest layer"
+    rows = "".join(
+        f"<tr><td>{i + 1}</td><td>{html.escape(d.layer)}</td>"
+        + "".join(f"<td>{m:.2f}</td>" for m in d.mean_log10_norm)
+        + f"<td>{d.spread:.2f}</td></tr>"
+        for i, d in enumerate(ranked)
+    )
+    return (
+        f"<table class=rank><tr><th>#</th><th>layer</th>{head}<th>{what} (decades)</th></tr>"
+        f"{rows}</table>"
+    )
+
+
+def _alerts_table(runs: list[RunData]) -> str:
+    rows = "".join(
+        f"<tr><td>{html.escape(r.name)}</td><td>{a.step}</td><td>{a.severity}</td><td>{a.rule}</td>"
+        f"<td>{html.escape(a.message)}</td></tr>"
+        for r in runs
+        for a in r.alerts
+    )
+    if not rows:
+        return "<p>No alerts.</p>"
+    head = "<tr><th>run</th><th>step</th><th>severity</th><th>rule</th><th>message</th></tr>"
+    return f"<table>{head}{rows}</table>"
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>gradtrack: {title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
+th {{ background: #f3f3f3; }} img {{ max-width: 100%; }}
+</style></head><body>
+<h1>Gradient flow: {title}</h1>
+{runs}
+<h2>Layers whose gradient flow differs most</h2>
+{ranking}
+{sections}
+<h2>Alerts</h2>
+{alerts}
+</body></html>
+"""
