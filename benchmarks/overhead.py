@@ -1,17 +1,33 @@
-"""Step-time overhead of gradtrack, every variant side by side in one process.
+"""Step-time overhead of gradtrack beside what users would run instead, in one process.
 
-    python -m benchmarks.overhead [--models cnn mlp] [--rounds 15] [--steps 20]
+    python -m benchmarks.overhead [--models cnn mlp transformer stress] [--rounds 8]
+    python -m benchmarks.overhead --device cuda     # on a GPU: also blocking syncs per step
 
-Variants run round-robin in chunks of ``--steps`` steps after a warm-up, each on its own copy
-of the model; the figure is the median step time as a ratio to the unwatched ``base``.
+Every variant trains its own copy of the model (same initial weights, same batch); variants
+run round-robin in chunks of ``--steps`` steps after a warm-up. A chunk's time includes
+flushing gradtrack's worker at its end, so work done off the training thread is charged to
+the variant that caused it (on a machine whose cores training already fills, that work
+displaces training anyway). The figure is the median per-step time of the chunks as a ratio
+to ``base``:
+
+- base: forward, backward, optimizer step;
+- floor: base + one foreach norm pass over all gradients + one host copy;
+- recipe: full backward hooks on every leaf module, ``.norm().item()`` per gradient tensor;
+- wandb.watch: ``wandb.watch(model, log="gradients", log_freq=1)``, offline, plus the
+  ``run.log`` per step that commits what it staged;
+- gradtrack summaries / + histograms every step (memory sink), gradtrack defaults with the
+  MLflow sink (local sqlite), gradtrack with ``activations=True`` (every step).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,81 +36,170 @@ from torch import nn
 
 import gradtrack
 from benchmarks.models import MODELS
-from gradtrack.rules import RULE_TYPES
 from gradtrack.sinks import MemorySink
 
-RULES_OFF = {"alerts": {rule: {"enabled": False} for rule in RULE_TYPES}}
-VARIANTS: dict[str, dict[str, Any] | None] = {
-    "base": None,
-    "defaults": {},
-    "log_every=1": {"log_every": 1, "hist_every": None},
-    "log_every=1, rules off": {"log_every": 1, "hist_every": None, **RULES_OFF},
-    "log_every=1, hist_every=1": {"log_every": 1, "hist_every": 1},
-    "log_every=1, activations": {"log_every": 1, "hist_every": None, "activations": True},
+Hooks = tuple[Callable[[], None], Callable[[], None], Callable[[], None]]  # step, flush, close
+Setup = Callable[[nn.Module, torch.optim.Optimizer], Hooks]
+
+
+def _nothing() -> None:
+    return None
+
+
+def base(model: nn.Module, optimizer: torch.optim.Optimizer) -> Hooks:
+    return _nothing, _nothing, _nothing
+
+
+def floor(model: nn.Module, optimizer: torch.optim.Optimizer) -> Hooks:
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def look_once() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        torch.stack(torch._foreach_norm(grads)).cpu()
+
+    return look_once, _nothing, _nothing
+
+
+def recipe(model: nn.Module, optimizer: torch.optim.Optimizer) -> Hooks:
+    norms: list[float] = []
+
+    def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        norms.extend(g.norm().item() for g in grad_output if g is not None)
+
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    # The recipe's hooks warn on the first layer (its input needs no grad); that is expected.
+    warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+    handles = [m.register_full_backward_hook(hook) for m in leaves]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return norms.clear, _nothing, remove
+
+
+def wandb_watch(model: nn.Module, optimizer: torch.optim.Optimizer) -> Hooks:
+    import wandb
+
+    run = wandb.run if wandb.run is not None else wandb.init(mode="offline", dir=tempfile.mkdtemp())
+    wandb.watch(model, log="gradients", log_freq=1)
+    return lambda: run.log({"step": 1}), _nothing, lambda: wandb.unwatch(model)
+
+
+def gradtrack_variant(backend: Any = None, **options: Any) -> Setup:
+    def setup(model: nn.Module, optimizer: torch.optim.Optimizer) -> Hooks:
+        watcher = gradtrack.watch(
+            model, backend=backend if backend is not None else MemorySink(), optimizer=optimizer,
+            **options,
+        )  # fmt: skip
+        def flush() -> None:
+            watcher.flush()
+
+        return _nothing, flush, watcher.close
+
+    return setup
+
+
+VARIANTS: dict[str, Setup] = {
+    "base": base,
+    "floor": floor,
+    "recipe": recipe,
+    "wandb.watch": wandb_watch,
+    "summaries": gradtrack_variant(log_every=1, hist_every=None),
+    "+histograms": gradtrack_variant(log_every=1, hist_every=1),
+    "defaults+mlflow": gradtrack_variant(backend="mlflow"),
+    "activations": gradtrack_variant(log_every=1, hist_every=None, activations=True),
 }
 
 
 class Runner:
-    def __init__(self, model: nn.Module, loss_of: Callable[[], torch.Tensor], options: Any) -> None:
-        self.model, self.loss_of = model, loss_of
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-        self.watcher = None
-        if options is not None:
-            self.watcher = gradtrack.watch(
-                model, backend=MemorySink(), optimizer=self.optimizer, **options
-            )
+    def __init__(self, model: nn.Module, loss_of: Callable[[], torch.Tensor], setup: Setup) -> None:
+        self.loss_of = loss_of
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+        self.after_backward, self.flush, self.close = setup(model, self.optimizer)
         self.times: list[float] = []
+        self.syncs: list[int] = []
 
-    def run(self, steps: int, record: bool = True) -> None:
+    def run(self, steps: int, device: torch.device, record: bool = True) -> None:
+        start = time.perf_counter()
         for _ in range(steps):
-            start = time.perf_counter()
             self.optimizer.zero_grad()
             self.loss_of().backward()
+            self.after_backward()
             self.optimizer.step()
-            if record:
-                self.times.append(time.perf_counter() - start)
+        self.flush()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if record:
+            self.times.append((time.perf_counter() - start) / steps)
+
+    def count_syncs(self, steps: int, device: torch.device) -> None:
+        """Blocking host syncs per step in the training thread (CUDA sync debug mode)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                self.run(steps, device, record=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        self.syncs.append(sum("synchroniz" in str(w.message) for w in caught))
 
 
-def measure(model_name: str, rounds: int, steps: int) -> dict[str, float]:
+def measure(
+    model_name: str, variants: list[str], rounds: int, steps: int, device: torch.device
+) -> dict[str, Any]:
     torch.manual_seed(0)
     template, _ = MODELS[model_name]()
     runners = {}
-    for name, options in VARIANTS.items():
+    for name in variants:
         torch.manual_seed(0)
-        model, loss_of = MODELS[model_name]()
+        with device:  # model and batch made on the device
+            model, loss_of = MODELS[model_name]()
         model.load_state_dict(copy.deepcopy(template.state_dict()))
-        runners[name] = Runner(model, loss_of, options)
+        runners[name] = Runner(model, loss_of, VARIANTS[name])
     for runner in runners.values():
-        runner.run(10, record=False)
+        runner.run(3, device, record=False)
     for _ in range(rounds):
         for runner in runners.values():
-            runner.run(steps)
+            runner.run(steps, device)
+    result: dict[str, Any] = {}
+    if device.type == "cuda":
+        for name, runner in runners.items():
+            runner.count_syncs(steps, device)
+            result[f"syncs/{name}"] = runner.syncs[-1] / steps
     for runner in runners.values():
-        if runner.watcher is not None:
-            runner.watcher.close()
-    medians = {name: statistics.median(r.times) for name, r in runners.items()}
-    return {"base_ms": medians["base"] * 1e3} | {
-        name: medians[name] / medians["base"] for name in VARIANTS if name != "base"
-    }
+        runner.close()
+    base_time = statistics.median(runners["base"].times)
+    result["base_ms"] = base_time * 1e3
+    result.update({name: statistics.median(r.times) / base_time for name, r in runners.items()})
+    return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--models", nargs="+", default=["cnn", "mlp", "transformer"], choices=list(MODELS)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratio = median step / base"
-    )
-    header = ["model", "base ms", *[name for name in VARIANTS if name != "base"]]
-    print(" | ".join(header))
-    for model_name in args.models:
-        result = measure(model_name, args.rounds, args.steps)
-        cells = [f"{result[name]:.3f}x" for name in VARIANTS if name != "base"]
-        print(" | ".join([model_name, f"{result['base_ms']:.2f}", *cells]), flush=True)
+    device = torch.device(args.device)
+    variants = ["base", *[v for v in args.variants if v != "base"]]
+    os.environ.setdefault("WANDB_SILENT", "true")
+    with tempfile.TemporaryDirectory() as directory:
+        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{directory}/mlflow.db")
+        print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads; "
+              "median step time / base")  # fmt: skip
+        print(" | ".join(["model", "base ms", *variants[1:]]))
+        for model_name in args.models:
+            result = measure(model_name, variants, args.rounds, args.steps, device)
+            cells = [f"{result[v]:.2f}x" for v in variants[1:]]
+            print(" | ".join([model_name, f"{result['base_ms']:.1f}", *cells]), flush=True)
+            if device.type == "cuda":
+                syncs = [f"{v}: {result[f'syncs/{v}']:.1f}" for v in variants]
+                print("  blocking syncs per step: " + ", ".join(syncs), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,147 @@
+"""How gradtrack's cost grows with the work, and whether its memory stays flat.
+
+    python -m benchmarks.scaling tensors      # overhead vs number of parameter tensors
+    python -m benchmarks.scaling params       # overhead vs parameter count
+    python -m benchmarks.scaling memory       # RSS over 20,000 logged steps, slow sink
+
+Overheads are median step times with gradtrack summaries every step (memory sink) as a
+ratio to no monitoring, both variants round-robin in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.alerts import AlertEvent
+from gradtrack.record import StepRecord
+from gradtrack.sinks import MemorySink
+
+
+def _ratio(
+    make: Callable[[], tuple[nn.Module, torch.Tensor]], rounds: int, steps: int
+) -> tuple[float, float]:
+    torch.manual_seed(0)
+    template, inputs = make()
+    runs = {}
+    for name in ("base", "summaries"):
+        model = copy.deepcopy(template)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+        watcher = None
+        if name == "summaries":
+            watcher = gradtrack.watch(
+                model, backend=MemorySink(), optimizer=optimizer, log_every=1, hist_every=None
+            )
+        runs[name] = (model, optimizer, watcher, [])
+    for round_ in range(rounds + 1):
+        for model, optimizer, _, times in runs.values():
+            for _ in range(steps):
+                start = time.perf_counter()
+                optimizer.zero_grad()
+                model(inputs).pow(2).mean().backward()
+                optimizer.step()
+                if round_:  # the first round warms up
+                    times.append(time.perf_counter() - start)
+    for _, _, watcher, _ in runs.values():
+        if watcher is not None:
+            watcher.close()
+    base = statistics.median(runs["base"][3])
+    return base * 1e3, statistics.median(runs["summaries"][3]) / base
+
+
+def tensors(counts: Sequence[int] = (100, 500, 1000, 2000, 5000)) -> None:
+    print("parameter tensors | parameters | base ms | summaries every step")
+    for count in counts:
+
+        def make(count: int = count) -> tuple[nn.Module, torch.Tensor]:
+            model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(count // 2)])
+            return model, torch.randn(8, 16)
+
+        base_ms, ratio = _ratio(make, rounds=5, steps=4)
+        params = (count // 2) * (16 * 16 + 16)
+        print(f"{count} | {params:,} | {base_ms:.1f} | {ratio:.3f}x", flush=True)
+
+
+def params(widths: Sequence[int] = (64, 256, 1024, 2048)) -> None:
+    print("width | parameters (8 Linear layers, 16 tensors) | base ms | summaries every step")
+    for width in widths:
+
+        def make(width: int = width) -> tuple[nn.Module, torch.Tensor]:
+            model = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
+            return model, torch.randn(64, width)
+
+        base_ms, ratio = _ratio(make, rounds=5, steps=4)
+        count = 8 * (width * width + width)
+        print(f"{width} | {count:,} | {base_ms:.1f} | {ratio:.3f}x", flush=True)
+
+
+class SlowSink:
+    """Takes 2 ms per batch and keeps nothing: the queue, not the sink, holds the backlog."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        time.sleep(0.002)
+        self.steps += len(batch)
+
+    def alert(self, event: AlertEvent) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory(steps: int = 20_000, queue_size: int = 64) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    sink = SlowSink()
+    inputs = torch.randn(16, 32)
+    watcher = gradtrack.watch(
+        model, backend=sink, optimizer=optimizer, log_every=1, hist_every=10,
+        queue_size=queue_size, max_batch_steps=1, batch_wait_s=0.0,
+    )  # fmt: skip
+    print("logged steps | RSS MiB | queued | dropped | delivered")
+    most_queued = 0
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        model(inputs).pow(2).mean().backward()
+        optimizer.step()
+        most_queued = max(most_queued, watcher.mailbox._steps)
+        if step % 2000 == 0:
+            print(f"{step} | {rss_mib():.1f} | {watcher.mailbox._steps} | "
+                  f"{watcher.dropped_steps} | {sink.steps}", flush=True)  # fmt: skip
+    watcher.close()
+    print(f"most steps ever queued: {most_queued} (queue_size={queue_size}); "
+          f"delivered {sink.steps} + dropped {watcher.dropped_steps} = {steps}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("what", choices=["tensors", "params", "memory"])
+    {"tensors": tensors, "params": params, "memory": memory}[parser.parse_args().what]()
+
+
+if __name__ == "__main__":
+    main()
