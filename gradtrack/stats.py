@@ -7,7 +7,7 @@ step) and `fill_nonfinite_counts` (CPU tensors only, and only on non-finite step
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +19,8 @@ L2, L1, LINF, NAN, INF = range(5)
 TENSOR_COLUMNS = 5
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# On CPU, tensors smaller than this are reduced packed together (see `tensor_norms`).
+PACK_BELOW_ELEMENTS = 1 << 16
 # Temporaries of the on-device NaN/Inf count are made this many elements at a time, at most.
 _COUNT_CHUNK_ELEMENTS = 1 << 25
 
@@ -64,27 +66,60 @@ def tensor_norms(grads: list[Tensor], foreach_only: bool = True) -> Tensor:
     ``grads`` share one device and dtype, and none is empty. fp16/bf16 accumulate in fp32.
     NaN anywhere makes all three norms NaN; ±Inf without NaN makes L2 and max Inf.
     ``foreach_only`` keeps the kernel count independent of ``len(grads)`` (what accelerators
-    need); without it max |g| takes one min/max pass per tensor, ~8x faster on CPU.
+    need). Without it (CPU), small tensors are reduced packed together — one copy, then
+    segment reductions in fp64, whatever their number — and large ones take the foreach
+    norms with max |g| from one min/max pass each (~8x faster than CPU's max-norm kernel).
 
     >>> tensor_norms([torch.tensor([3.0, -4.0])])
     tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
+    >>> tensor_norms([torch.tensor([3.0, -4.0])], foreach_only=False)
+    tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
     """
+    if foreach_only:
+        return _foreach_norms(grads, max_abs=_foreach_max_abs)
+    small = [i for i, g in enumerate(grads) if g.numel() < PACK_BELOW_ELEMENTS]
+    if len(small) == len(grads):
+        return _packed_norms(grads)
+    if not small:
+        return _foreach_norms(grads, max_abs=_max_abs_per_tensor)
+    large = sorted(set(range(len(grads))) - set(small))
+    rows = torch.empty(len(grads), TENSOR_COLUMNS, dtype=torch.float64, device=grads[0].device)
+    rows[small] = _packed_norms([grads[i] for i in small])
+    rows[large] = _foreach_norms([grads[i] for i in large], max_abs=_max_abs_per_tensor)
+    return rows
+
+
+def _foreach_norms(grads: list[Tensor], max_abs: Callable[[list[Tensor]], Tensor]) -> Tensor:
     accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
     l2 = torch._foreach_norm(grads, 2, dtype=accumulate)
     l1 = torch._foreach_norm(grads, 1, dtype=accumulate)
-    if foreach_only:
-        linf = torch.stack(torch._foreach_norm(grads, math.inf, dtype=accumulate))
-    else:
-        linf = _max_abs_per_tensor(grads)
+    linf = max_abs(grads)
     columns = [torch.stack(l2).double(), torch.stack(l1).double(), linf.double()]
     zeros = linf.new_zeros(len(grads), dtype=torch.float64)
     return torch.stack([*columns, zeros, zeros], dim=1)
+
+
+def _foreach_max_abs(grads: list[Tensor]) -> Tensor:
+    accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
+    return torch.stack(torch._foreach_norm(grads, math.inf, dtype=accumulate))
 
 
 def _max_abs_per_tensor(grads: list[Tensor]) -> Tensor:
     # NaN propagates through aminmax and maximum, as through the max-norm.
     low, high = zip(*(torch.aminmax(g) for g in grads))
     return torch.maximum(torch.stack(high), torch.stack(low).neg())
+
+
+def _packed_norms(grads: list[Tensor]) -> Tensor:
+    """Many small tensors at once: per-tensor overheads (a stack costs ~2 µs per tensor)
+    dominate them, so copy them into one fp64 buffer and reduce it by segments."""
+    absolute = torch.cat([g.reshape(-1) for g in grads]).double().abs_()
+    lengths = torch.tensor([g.numel() for g in grads], device=absolute.device)
+    l1 = torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True)
+    linf = torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
+    l2 = torch.segment_reduce(absolute.square_(), "sum", lengths=lengths, unsafe=True).sqrt_()
+    zeros = torch.zeros_like(l2)
+    return torch.stack([l2, l1, linf, zeros, zeros], dim=1)
 
 
 def nonfinite_counts(grads: list[Tensor]) -> Tensor:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -86,3 +89,26 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     server = MlflowServer(f"sqlite:///{root / 'mlflow.db'}", root).start()
     yield server
     server.stop()
+
+
+def watch_without(module: str) -> str:
+    """What ``gradtrack.watch(backend=module)`` says in a fresh process where ``module`` is not
+    importable (a real interpreter, with the package hidden from the import system)."""
+    code = textwrap.dedent(
+        f"""
+        import importlib.util, sys
+        real = importlib.util.find_spec
+        importlib.util.find_spec = lambda n, p=None: None if n == {module!r} else real(n, p)
+        sys.modules[{module!r}] = None
+        import torch, gradtrack
+        try:
+            gradtrack.watch(torch.nn.Linear(2, 2), backend={module!r})
+        except gradtrack.GradtrackError as error:
+            print(error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout

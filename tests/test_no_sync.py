@@ -53,7 +53,8 @@ def test_no_host_sync_in_the_training_thread(
             optimizer.step()
     watcher.close()
 
-    assert recorder.ops["_foreach_norm"] >= 2 * 4  # the mode saw the collection itself
+    reductions = recorder.ops["_foreach_norm"] + recorder.ops["segment_reduce"]
+    assert reductions >= 2 * 4  # the mode saw the collection itself
     assert recorder.ops["_local_scalar_dense"] == 0  # no .item(), bool(tensor), float(tensor)
     assert recorder.device_to_host == 0  # CPU model: nothing to copy at all
     assert watcher.host_transfers == 4  # one hand-off per logged step (steps 0, 2, 4, 6)

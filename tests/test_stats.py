@@ -11,6 +11,7 @@ from torch import nn
 import gradtrack
 from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink
+from gradtrack.stats import PACK_BELOW_ELEMENTS
 from tests.conftest import assert_record_matches, reference_stats
 
 COUNT_STRATEGIES = {"foreach_only": True, "cpu_kernels": False}
@@ -74,6 +75,25 @@ def test_statistics_match_reference_per_dtype(
     assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]), rtol=rtol)
     total = reference_stats(p.grad for p in model.parameters())["norm"]
     assert record.total_norm == pytest.approx(total, rel=rtol)
+
+
+@pytest.mark.parametrize("strategy", COUNT_STRATEGIES)
+def test_large_and_small_tensors_together(strategy: str) -> None:
+    # On CPU, tensors of 2^16 elements and more take another path than the small ones.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, 2)
+    )
+    assert model[2].weight.numel() >= PACK_BELOW_ELEMENTS > model[4].weight.numel()
+
+    def inject(m: nn.Module) -> None:
+        m[2].weight.grad[0, :3] = float("nan")
+        m[4].weight.grad[1, 0] = float("inf")
+
+    loss = lambda m: m(torch.randn(16, 8, generator=torch.Generator().manual_seed(1))).pow(2).mean()  # noqa: E731
+    record = one_step(model, loss, COUNT_STRATEGIES[strategy], before_step=inject)
+    assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]), rtol=1e-5)
+    assert (record.nan_count, record.inf_count) == (3, 1)
 
 
 def test_fp16_gradients_whose_norm_overflows_fp16_are_reduced_in_fp32() -> None:
