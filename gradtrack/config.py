@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
 
 from gradtrack.errors import GradtrackConfigError
 from gradtrack.rules import AlertRules
@@ -128,6 +136,10 @@ class GradtrackConfig(BaseModel):
     @classmethod
     def _one_pattern_is_a_list(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value
+
+    @field_serializer("module_types")
+    def _module_type_names(self, value: tuple[type, ...]) -> list[str]:
+        return [f"{cls.__module__}.{cls.__qualname__}" for cls in value]
 
     @field_validator("module_types", mode="before")
     @classmethod

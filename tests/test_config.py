@@ -62,6 +62,13 @@ def test_environment_values_are_parsed() -> None:
     assert config.module_types == (nn.Linear, nn.Conv2d) and config.queue_full == "block"
 
 
+def test_config_round_trips_through_json() -> None:
+    config = GradtrackConfig(module_types=["Linear"], alerts={"spike": {"ratio": 3}}, log_every=2)
+    dumped = config.model_dump(mode="json")  # what the W&B sink stores in the run config
+    assert dumped["module_types"] == ["torch.nn.modules.linear.Linear"]
+    assert GradtrackConfig(**dumped) == config
+
+
 def test_a_config_object_only_contributes_what_was_set() -> None:
     config = load_config(GradtrackConfig(log_every=4), environ={"GRADTRACK_HIST_BINS": "8"})
     assert (config.log_every, config.hist_bins) == (4, 8)

@@ -10,8 +10,8 @@ from typing import Any
 
 from gradtrack.errors import GradtrackError
 from gradtrack.report.data import LAYER_FAMILIES, Alert, Progress, RunData, from_series
+from gradtrack.sinks.base import require_module
 from gradtrack.sinks.mlflow import LAYERS_FILE, read_alerts, read_histograms
-from gradtrack.sinks.wandb import require_module
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 

@@ -19,7 +19,8 @@ from gradtrack.errors import GradtrackError
 from gradtrack.histogram import Histogram
 from gradtrack.record import FAMILIES
 from gradtrack.report.data import Progress, RunData, from_series, parse_alert_text
-from gradtrack.sinks.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY, require_module
+from gradtrack.sinks.base import require_module
+from gradtrack.sinks.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY
 
 _BLOCK = 32 * 1024
 _HEADER = 7

@@ -23,6 +23,7 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.histogram_store import HistogramEntry, read_chunks, write_chunk
 from gradtrack.record import StepRecord, scalar_metrics
+from gradtrack.sinks.base import require_module
 from gradtrack.sinks.mlflow_tracking import (
     MAX_ITEMS_PER_BATCH,
     MAX_METRICS_PER_BATCH,
@@ -31,7 +32,6 @@ from gradtrack.sinks.mlflow_tracking import (
     Tracking,
     connect,
 )
-from gradtrack.sinks.wandb import require_module
 
 HISTOGRAM_DIR = "gradtrack/histograms"
 ALERTS_DIR = "gradtrack"

@@ -6,7 +6,6 @@ wandb is imported only when the first step is written; a run already active is r
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import math
 from collections.abc import Sequence
 from datetime import timedelta
@@ -16,6 +15,7 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.record import FAMILIES, StepRecord, metric_key, safe_key, scalar_metrics
+from gradtrack.sinks.base import require_module
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
@@ -23,14 +23,6 @@ if TYPE_CHECKING:
 HIST_FAMILY = "grad_hist"
 LAYERS_CONFIG_KEY = "gradtrack_layers"  # layer names in depth order, for readers
 PROFILE_FAMILY = "grad_profile"
-
-
-def require_module(module: str, extra: str) -> None:
-    """Fail early, without importing it, if an optional dependency is missing."""
-    if importlib.util.find_spec(module) is None:
-        raise GradtrackError(
-            f"the {module} backend needs the {module} package: pip install gradtrack[{extra}]"
-        )
 
 
 class WandbSink:
