@@ -14,6 +14,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from gradtrack.errors import GradtrackError
+
 
 def _and(previous: Tensor | None, current: Tensor) -> Tensor:
     return current if previous is None else torch.logical_and(previous, current)
@@ -58,7 +60,10 @@ class ScalerTap:
 
     def __init__(self, scaler: torch.amp.GradScaler, on_update: Callable[[], None]) -> None:
         if "update" in vars(scaler):
-            raise RuntimeError("this GradScaler's update() is already wrapped")
+            raise GradtrackError(
+                "this GradScaler is already watched (its update() is wrapped): one watcher per "
+                "scaler; close the other watcher first"
+            )
         self.scaler = scaler
         original = scaler.update
 

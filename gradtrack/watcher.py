@@ -81,7 +81,27 @@ class Watcher:
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
         self._handles: list[RemovableHandle] = []
-        self._scaler_tap = None if scaler is None else ScalerTap(scaler, self._step_boundary)
+        self._scaler_tap: ScalerTap | None = None
+        self._order_probe: BackwardOrderProbe | None = None
+        self._activation_probe: ActivationProbe | None = None
+        try:
+            self._attach(model, optimizer, scaler, [module for _, module in watched_outputs])
+        except BaseException:  # leave the model, the scaler and the threads as they were
+            self._detach()
+            self.worker.request("stop", config.flush_timeout_s)
+            raise
+        _WATCHED[model] = self
+        _OPEN.add(self)
+
+    def _attach(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scaler: torch.amp.GradScaler | None,
+        output_modules: list[nn.Module],
+    ) -> None:
+        if scaler is not None:
+            self._scaler_tap = ScalerTap(scaler, self._step_boundary)
         if self._scaler_tap is None and optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
         elif self._scaler_tap is None:
@@ -91,19 +111,23 @@ class Watcher:
         layer_of = {
             id(p): int(i) for p, i in zip(self.collector.params, self.collector.tensor_layer)
         }
-        self._order_probe: BackwardOrderProbe | None = BackwardOrderProbe(
-            self.collector.params, layer_of
-        )
+        self._order_probe = BackwardOrderProbe(self.collector.params, layer_of)
         self._output_probe = OutputProbe(model, self._next_step_is_due)
         self._handles.append(self._output_probe.handle)
-        self._activation_probe = None
-        if watched_outputs:
-            self._activation_probe = ActivationProbe(
-                [module for _, module in watched_outputs], self._next_step_is_due
-            )
+        if output_modules:
+            self._activation_probe = ActivationProbe(output_modules, self._next_step_is_due)
             self._handles.extend(self._activation_probe.handles)
-        _WATCHED[model] = self
-        _OPEN.add(self)
+
+    def _detach(self) -> None:
+        """Remove every hook and wrapper gradtrack added."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._order_probe is not None:
+            self._order_probe.remove()
+            self._order_probe = None
+        if self._scaler_tap is not None:
+            self._scaler_tap.remove()
 
     # -- public state -------------------------------------------------------------------
     @property
@@ -227,13 +251,7 @@ class Watcher:
         if self.closed:
             return
         self.closed = True
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        if self._order_probe is not None:
-            self._order_probe.remove()
-        if self._scaler_tap is not None:
-            self._scaler_tap.remove()
+        self._detach()
         model = self.model_ref()
         if model is not None and _WATCHED.get(model) is self:
             del _WATCHED[model]

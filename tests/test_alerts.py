@@ -271,6 +271,26 @@ def test_amp_overflow_steps_are_info_and_summaries_unscaled() -> None:
     assert applied and all(0 < r.total_norm < 100 for r in applied)  # unscaled, not ×2^30
 
 
+def test_a_failed_watch_leaves_model_and_scaler_untouched() -> None:
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    scaler = torch.amp.GradScaler("cpu")
+    watcher = gradtrack.watch(first, backend="memory", scaler=scaler)
+    before = (
+        dict(second._forward_hooks),
+        [dict(p._post_accumulate_grad_hooks or {}) for p in second.parameters()],
+    )
+    with pytest.raises(gradtrack.GradtrackError, match="GradScaler is already watched"):
+        gradtrack.watch(second, backend="memory", scaler=scaler)
+    after = (
+        dict(second._forward_hooks),
+        [dict(p._post_accumulate_grad_hooks or {}) for p in second.parameters()],
+    )
+    assert after == before
+    watcher.close()
+    assert "update" not in vars(scaler)
+    gradtrack.watch(second, backend="memory", scaler=scaler).close()  # now it can be watched
+
+
 def test_amp_persistent_overflow_is_an_error() -> None:
     sink = amp_training(
         steps=50, poison_from=35, init_scale=2.0**8, alerts={"amp": {"max_skips": 5}}
