@@ -6,7 +6,9 @@ Run it with `bash scripts/demo.sh` (or `python examples/quickstart.py --help`).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,6 +33,12 @@ def synthetic_batches(steps: int, batch_size: int, seed: int = 0):
         labels = torch.randint(10, (batch_size,), generator=generator)
         noise = torch.randn(batch_size, 3, 32, 32, generator=generator)
         yield patterns[labels] + 2.0 * noise, labels
+
+
+def _gradtrack_command() -> str:
+    """The `gradtrack` command beside this interpreter (a venv's bin/), else from the PATH."""
+    beside = Path(sys.executable).parent / "gradtrack"
+    return str(beside) if beside.exists() else "gradtrack"
 
 
 def main() -> None:
@@ -79,7 +87,9 @@ def main() -> None:
             print(f"\nMLflow run {sink.run_id} in {sink.tracking_uri}; browse it with:")
             print(f"  mlflow ui --backend-store-uri {sink.tracking_uri}")
             print("and render its gradient-flow report (HTML and PNGs in ./gradtrack-report) with:")
-            print(f"  gradtrack report {sink.run_id} --tracking-uri {sink.tracking_uri}")
+            print(
+                f"  {_gradtrack_command()} report {sink.run_id} --tracking-uri {sink.tracking_uri}"
+            )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ def test_quickstart_trains_and_prints_gradient_flow(tmp_path: Path) -> None:
     # The embedded default backend: MLflow's sqlite store in the working directory.
     assert "mlflow ui --backend-store-uri sqlite:///" in out
     assert (tmp_path / "mlflow.db").exists()
-    report = next(line for line in out.splitlines() if line.strip().startswith("gradtrack report"))
-    command = [sys.executable, "-m", "gradtrack.cli", *report.split()[1:]]
+    report = next(line.split() for line in out.splitlines() if "gradtrack report" in line)
+    assert Path(report[0]).name == "gradtrack"  # a command that exists where the demo ran
+    command = [sys.executable, "-m", "gradtrack.cli", *report[1:]]
     rendered = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert rendered.returncode == 0, rendered.stderr
     assert (tmp_path / "gradtrack-report" / "report.html").exists()
