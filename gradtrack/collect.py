@@ -30,7 +30,6 @@ class Collector:
     def __init__(self, layers: Sequence[Layer], sample_size: int, seed: int) -> None:
         self.layer_names = tuple(layer.name for layer in layers)
         self.params = [p for layer in layers for p in layer.params]
-        self.param_names = [name for layer in layers for name in layer.param_names]
         self.tensor_layer = np.array(
             [i for i, layer in enumerate(layers) for _ in layer.params], dtype=np.int64
         )
