@@ -5,7 +5,6 @@ Each message carries a diagnosis — the likely cause and what to try — from t
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -56,12 +55,15 @@ class AlertEngine:
     def __init__(self, rules: AlertRules, depth_order: Sequence[str], rank: int = 0) -> None:
         self.rules = rules
         self.rank = rank
+        self._names = list(depth_order)
         self._depth = {name: i for i, name in enumerate(depth_order)}
+        self._params: dict[tuple[str, str], np.ndarray] = {}
+        self._vanishing_runs = np.zeros(len(depth_order), dtype=np.int64)
+        self._dead_runs = np.zeros(len(depth_order), dtype=np.int64)
+        self._seen = np.zeros(len(depth_order), dtype=np.int64)
+        self._ema = np.full(len(depth_order), np.nan)
         self._backward_position: dict[str, int] = {}
         self._cache: dict[tuple[str, str | None], Any] = {}
-        self._runs: dict[tuple[str, str], int] = {}
-        self._ema: dict[str, float] = {}
-        self._seen: dict[str, int] = {}
         self._last_fired: dict[tuple[str, str | None], int] = {}
         self._total_norms: deque[float] = deque(maxlen=1000)
         self._amp_skips = 0
@@ -83,11 +85,9 @@ class AlertEngine:
             events += self._amp(record)
         if not record.amp_skipped:
             events += self._nonfinite(record)
-        stats = record.layer_stats()
-        for layer, s in stats.items():
-            events += self._layer_rules(record, layer, s.norm)
+        events += self._layer_rules(record)
         events += self._exploding(record, None, record.total_norm)
-        events += self._jump(record, {layer: s.norm for layer, s in stats.items()})
+        events += self._jump(record)
         if math.isfinite(record.total_norm):
             self._total_norms.append(record.total_norm)
         return events
@@ -108,21 +108,17 @@ class AlertEngine:
         )  # fmt: skip
         return [event]
 
-    def _run(self, key: tuple[str, str], hit: bool) -> int:
-        self._runs[key] = self._runs.get(key, 0) + 1 if hit else 0
-        return self._runs[key]
-
     # -- rules -----------------------------------------------------------------------------
     def _nonfinite(self, record: StepRecord) -> list[AlertEvent]:
-        stats = record.layer_stats()
-        bad = [layer for layer, s in stats.items() if s.nan or s.inf]
-        if not bad and math.isfinite(record.total_norm):
+        nan_counts, inf_counts = record.column("nan"), record.column("inf")
+        rows = np.flatnonzero((nan_counts > 0) | (inf_counts > 0))
+        if len(rows) == 0 and math.isfinite(record.total_norm):
             return []
         if not self.rule("nonfinite", None).enabled:
             return []
+        bad = [record.layers[j] for j in rows]
         origin, stage = self.nonfinite_origin(record, bad)
-        nan = sum(stats[layer].nan for layer in bad)
-        inf = sum(stats[layer].inf for layer in bad)
+        nan, inf = int(nan_counts[rows].sum()), int(inf_counts[rows].sum())
         kind = "NaN" if nan else "Inf"
         if stage == "forward":
             where = "the model output (forward pass) was already non-finite"
@@ -179,40 +175,73 @@ class AlertEngine:
         )
         return origin, stage
 
-    def _layer_rules(self, record: StepRecord, layer: str, norm: float) -> list[AlertEvent]:
-        events = self._exploding(record, layer, norm)
-        if not math.isfinite(norm):
-            return events
-        vanishing = self.rule("vanishing", layer)
-        if vanishing.enabled:
-            run = self._run(("vanishing", layer), 0 < norm < vanishing.threshold)
-            if run >= vanishing.patience:
-                events += self._emit(
-                    record, "vanishing", layer, statistic="norm", value=norm,
-                    threshold=vanishing.threshold,
-                    message=(
-                        f"gradient norm of {layer} is {norm:.3g}, below {vanishing.threshold:.3g} "
-                        f"for {run} logged steps: it barely learns. Try: residual connections, "
-                        "normalisation (LayerNorm/BatchNorm), a better initialisation "
-                        "(Kaiming/Xavier), or non-saturating activations (ReLU/GELU instead of "
-                        "sigmoid/tanh)."
-                    ),
-                )  # fmt: skip
-        dead = self.rule("dead", layer)
-        if dead.enabled:
-            run = self._run(("dead", layer), norm == 0.0)
-            if run >= dead.patience:
-                events += self._emit(
-                    record, "dead", layer, statistic="norm", value=norm, threshold=0.0,
-                    message=(
-                        f"gradient of {layer} has been exactly zero for {run} logged steps. "
-                        "Likely: dying ReLUs (try LeakyReLU/GELU or a lower learning rate) or an "
-                        "unintended freeze (a .detach(), torch.no_grad() or requires_grad=False "
-                        "upstream of this layer)."
-                    ),
-                )  # fmt: skip
-        events += self._spike(record, layer, norm)
-        return events
+    def _layer_rules(self, record: StepRecord) -> list[AlertEvent]:
+        """Per-layer rules over all layers at once; Python work only for the layers that trip."""
+        idx = np.fromiter(
+            (self._depth[name] for name in record.layers), np.int64, len(record.layers)
+        )
+        norms = record.column("norm")
+        finite = np.isfinite(norms)
+        events: list[AlertEvent] = []
+        explodes = (
+            self._enabled("exploding", idx)
+            & finite
+            & (norms > self._param("exploding", "threshold", idx))
+        )
+        for j in np.flatnonzero(explodes):
+            events += self._exploding(record, record.layers[j], float(norms[j]))
+
+        active = self._enabled("vanishing", idx) & finite
+        threshold = self._param("vanishing", "threshold", idx)
+        runs = self._advance(self._vanishing_runs, idx, active, (norms > 0) & (norms < threshold))
+        for j in np.flatnonzero(active & (runs >= self._param("vanishing", "patience", idx))):
+            layer, norm = record.layers[j], float(norms[j])
+            events += self._emit(
+                record, "vanishing", layer, statistic="norm", value=norm,
+                threshold=float(threshold[j]),
+                message=(
+                    f"gradient norm of {layer} is {norm:.3g}, below {threshold[j]:.3g} "
+                    f"for {runs[j]} logged steps: it barely learns. Try: residual connections, "
+                    "normalisation (LayerNorm/BatchNorm), a better initialisation "
+                    "(Kaiming/Xavier), or non-saturating activations (ReLU/GELU instead of "
+                    "sigmoid/tanh)."
+                ),
+            )  # fmt: skip
+
+        active = self._enabled("dead", idx) & finite
+        runs = self._advance(self._dead_runs, idx, active, norms == 0.0)
+        for j in np.flatnonzero(active & (runs >= self._param("dead", "patience", idx))):
+            layer = record.layers[j]
+            events += self._emit(
+                record, "dead", layer, statistic="norm", value=float(norms[j]), threshold=0.0,
+                message=(
+                    f"gradient of {layer} has been exactly zero for {runs[j]} logged steps. "
+                    "Likely: dying ReLUs (try LeakyReLU/GELU or a lower learning rate) or an "
+                    "unintended freeze (a .detach(), torch.no_grad() or requires_grad=False "
+                    "upstream of this layer)."
+                ),
+            )  # fmt: skip
+        return events + self._spike(record, idx, norms, finite)
+
+    def _param(self, rule: str, field: str, idx: np.ndarray) -> np.ndarray:
+        """One rule field for every layer (per-layer overrides applied), at ``idx``."""
+        key = (rule, field)
+        if key not in self._params:
+            values = [float(getattr(self.rule(rule, name), field)) for name in self._names]
+            self._params[key] = np.array(values, dtype=np.float64)
+        return self._params[key][idx]
+
+    def _enabled(self, rule: str, idx: np.ndarray) -> np.ndarray:
+        return self._param(rule, "enabled", idx) > 0
+
+    @staticmethod
+    def _advance(
+        runs: np.ndarray, idx: np.ndarray, active: np.ndarray, hit: np.ndarray
+    ) -> np.ndarray:
+        """Consecutive-hit counters of the active layers: +1 on a hit, back to 0 otherwise."""
+        updated = np.where(hit, runs[idx] + 1, 0)
+        runs[idx[active]] = updated[active]
+        return updated
 
     def _exploding(self, record: StepRecord, layer: str | None, norm: float) -> list[AlertEvent]:
         rule = self.rule("exploding", layer)
@@ -231,50 +260,53 @@ class AlertEngine:
             ),
         )  # fmt: skip
 
-    def _spike(self, record: StepRecord, layer: str, norm: float) -> list[AlertEvent]:
-        rule = self.rule("spike", layer)
-        if not rule.enabled:
-            return []
-        seen = self._seen[layer] = self._seen.get(layer, 0) + 1
-        average = self._ema.get(layer)
+    def _spike(
+        self, record: StepRecord, idx: np.ndarray, norms: np.ndarray, finite: np.ndarray
+    ) -> list[AlertEvent]:
+        active = self._enabled("spike", idx) & finite
+        seen = self._seen[idx] + active
+        self._seen[idx] = seen
+        average = self._ema[idx]
+        ratio = self._param("spike", "ratio", idx)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            trips = active & (seen > self._param("spike", "warmup", idx)) & (average > 0)
+            trips &= norms / average > ratio
         events: list[AlertEvent] = []
-        if average is not None and seen > rule.warmup and average > 0:
-            ratio = norm / average
-            if ratio > rule.ratio:
-                events = self._emit(
-                    record, "spike", layer, statistic="norm", value=norm,
-                    threshold=rule.ratio * average,
-                    message=(
-                        f"gradient norm of {layer} jumped to {norm:.3g}, {ratio:.1f}× its running "
-                        f"average {average:.3g}. Likely a bad batch or a learning-rate spike; "
-                        "consider gradient clipping or a longer warmup."
-                    ),
-                )  # fmt: skip
-        decay = rule.ema_decay
-        self._ema[layer] = norm if average is None else decay * average + (1 - decay) * norm
+        for j in np.flatnonzero(trips):
+            layer, norm, mean = record.layers[j], float(norms[j]), float(average[j])
+            events += self._emit(
+                record, "spike", layer, statistic="norm", value=norm, threshold=ratio[j] * mean,
+                message=(
+                    f"gradient norm of {layer} jumped to {norm:.3g}, {norm / mean:.1f}× its "
+                    f"running average {mean:.3g}. Likely a bad batch or a learning-rate spike; "
+                    "consider gradient clipping or a longer warmup."
+                ),
+            )  # fmt: skip
+        decay = self._param("spike", "ema_decay", idx)
+        blended = np.where(np.isnan(average), norms, decay * average + (1 - decay) * norms)
+        self._ema[idx[active]] = blended[active]
         return events
 
-    def _jump(self, record: StepRecord, norms: dict[str, float]) -> list[AlertEvent]:
-        ordered = sorted(
-            (self._depth.get(layer, 0), layer, norm)
-            for layer, norm in norms.items()
-            if math.isfinite(norm) and norm > 0
-        )
+    def _jump(self, record: StepRecord) -> list[AlertEvent]:
+        norms = record.column("norm")
+        flowing = np.flatnonzero(np.isfinite(norms) & (norms > 0))  # rows are in depth order
+        upper, lower = flowing[:-1], flowing[1:]
+        ratio = np.maximum(norms[upper] / norms[lower], norms[lower] / norms[upper])
+        idx = np.fromiter((self._depth[record.layers[j]] for j in lower), np.int64, len(lower))
+        limit = self._param("jump", "ratio", idx)
         events: list[AlertEvent] = []
-        for (_, upper, upper_norm), (_, lower, lower_norm) in itertools.pairwise(ordered):
-            rule = self.rule("jump", lower)
-            ratio = max(upper_norm / lower_norm, lower_norm / upper_norm)
-            if rule.enabled and ratio > rule.ratio:
-                events += self._emit(
-                    record, "jump", lower, statistic="norm_ratio", value=ratio,
-                    threshold=rule.ratio,
-                    message=(
-                        f"gradient norm changes {ratio:.3g}× between adjacent layers {upper} "
-                        f"({upper_norm:.3g}) and {lower} ({lower_norm:.3g}): gradient flow "
-                        "breaks here. Look for a saturating activation, a missing normalisation "
-                        "or residual path, or a scale mismatch between these layers."
-                    ),
-                )  # fmt: skip
+        for k in np.flatnonzero(self._enabled("jump", idx) & (ratio > limit)):
+            a, b = record.layers[upper[k]], record.layers[lower[k]]
+            events += self._emit(
+                record, "jump", b, statistic="norm_ratio", value=float(ratio[k]),
+                threshold=float(limit[k]),
+                message=(
+                    f"gradient norm changes {ratio[k]:.3g}× between adjacent layers {a} "
+                    f"({norms[upper[k]]:.3g}) and {b} ({norms[lower[k]]:.3g}): gradient flow "
+                    "breaks here. Look for a saturating activation, a missing normalisation "
+                    "or residual path, or a scale mismatch between these layers."
+                ),
+            )  # fmt: skip
         return events
 
     def _amp(self, record: StepRecord) -> list[AlertEvent]:
