@@ -44,9 +44,13 @@ class HostPart:
         if self.ready is not None:
             self.ready.synchronize()
 
+    @property
+    def _float64_words(self) -> int:
+        """float32 words the float64 rows and flags take at the head of ``buffer``."""
+        return (len(self.tensor_index) * TENSOR_COLUMNS + self.n_flags) * 2
+
     def _float64(self) -> np.ndarray:
-        words = (len(self.tensor_index) * TENSOR_COLUMNS + self.n_flags) * 2
-        return self.buffer.numpy()[:words].view(np.float64)
+        return self.buffer.numpy()[: self._float64_words].view(np.float64)
 
     def stats(self) -> np.ndarray:
         rows = len(self.tensor_index)
@@ -56,8 +60,7 @@ class HostPart:
         return self._float64()[len(self.tensor_index) * TENSOR_COLUMNS :]
 
     def samples(self) -> np.ndarray:
-        words = (len(self.tensor_index) * TENSOR_COLUMNS + self.n_flags) * 2
-        return self.buffer.numpy()[words:]
+        return self.buffer.numpy()[self._float64_words :]
 
 
 def tensor_norms(grads: list[Tensor], foreach_only: bool = True) -> Tensor:

@@ -79,7 +79,7 @@ class WandbSink:
 
     def _live_run(self) -> Run:
         run = self.run
-        if getattr(run, "_is_finished", False):
+        if _finished(run):
             raise GradtrackError(
                 "the W&B run was finished before gradtrack's watcher closed; gradtrack stops "
                 "logging to it (close the watcher before wandb.finish())"
@@ -166,7 +166,7 @@ class WandbSink:
 
     def flush(self) -> None:
         run = self._run
-        if run is None or getattr(run, "_is_finished", False) or self._staged_at is None:
+        if run is None or _finished(run) or self._staged_at is None:
             return
         if run.step == self._staged_at:  # our last row is still open: commit it
             run.log({}, commit=True)
@@ -174,9 +174,10 @@ class WandbSink:
 
     def close(self) -> None:
         self.flush()
-        if (
-            self._owns_run
-            and self._run is not None
-            and not getattr(self._run, "_is_finished", False)
-        ):
+        if self._owns_run and self._run is not None and not _finished(self._run):
             self._run.finish()
+
+
+def _finished(run: Run) -> bool:
+    # wandb has no public flag; a finished run hangs 30 s on `run.step`, so ask first.
+    return bool(getattr(run, "_is_finished", False))
