@@ -16,6 +16,13 @@ from torch.utils.hooks import RemovableHandle
 
 from gradtrack.errors import GradtrackError
 
+# Compiled regions: a forward hook on a module that is compiled after gradtrack watched it
+# is traced into the graph. Reading the step counter there would make dynamo guard on it
+# (a recompile per step) and registering tensor hooks is a graph break, so in a compiled
+# region the probes do nothing: the gradient statistics, taken from ``.grad`` outside the
+# graph, are unaffected; only the forward/loss evidence and activation gradients are lost.
+# A model compiled *before* watching keeps its output probe (it sits on the eager wrapper).
+
 
 def _and(previous: Tensor | None, current: Tensor) -> Tensor:
     return current if previous is None else torch.logical_and(previous, current)
@@ -35,8 +42,8 @@ class OutputProbe:
         self.handle = model.register_forward_hook(self._after_forward)
 
     def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        if not self._is_due():
-            return
+        if torch.compiler.is_compiling() or not self._is_due():
+            return  # inside a compiled graph: see "Compiled regions" above
         for leaf in tree_leaves(output):
             if isinstance(leaf, Tensor) and leaf.is_floating_point():
                 with torch.no_grad():
@@ -132,8 +139,8 @@ class ActivationProbe:
         ]
 
     def _after_forward(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
-        if not self._is_due():
-            return
+        if torch.compiler.is_compiling() or not self._is_due():
+            return  # inside a compiled graph: see "Compiled regions" above
         for leaf in tree_leaves(output):
             if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad:
                 leaf.register_hook(functools.partial(self._output_grad, index))

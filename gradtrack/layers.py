@@ -29,6 +29,26 @@ class Layer:
     params: tuple[nn.Parameter, ...]
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside the wrappers that only forward to it: ``torch.compile``'s
+    ``OptimizedModule`` and (Distributed)DataParallel. Layers are named from it, so a run's
+    keys are the same with or without the wrappers.
+
+    >>> inner = nn.Linear(2, 1)
+    >>> unwrap_model(nn.DataParallel(inner)) is inner
+    True
+    """
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), nn.Module
+        ):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def _owned_parameters(
     model: nn.Module,
 ) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:

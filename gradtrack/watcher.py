@@ -23,7 +23,7 @@ from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
-from gradtrack.layers import activation_modules, discover_layers
+from gradtrack.layers import activation_modules, discover_layers, unwrap_model
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, PendingStep, Worker
 
@@ -51,17 +51,18 @@ class Watcher:
         on_alert: AlertCallback | None = None,
         rank: int = 0,
     ) -> None:
-        if model in _WATCHED:
+        inner = unwrap_model(model)
+        if inner in _WATCHED:
             raise GradtrackError(
-                f"this {type(model).__name__} is already watched; call gradtrack.unwatch(model) "
+                f"this {type(inner).__name__} is already watched; call gradtrack.unwatch(model) "
                 "or close the first watcher before watching it again"
             )
-        self.model_ref = weakref.ref(model)
+        self.model_ref = weakref.ref(inner)
         self.config = config
-        self.layers = discover_layers(model, config)
+        self.layers = discover_layers(inner, config)
         self.collector = Collector(self.layers, config.hist_sample_size, config.seed)
         self.mailbox = Mailbox(config.queue_size, config.queue_full)
-        watched_outputs = activation_modules(model, config) if config.activations else []
+        watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
         self.alert_engine = AlertEngine(config.alerts, self.collector.layer_names, rank)
         self._raise_on_alert = "raise" in config.alerts.actions()
@@ -90,7 +91,7 @@ class Watcher:
             self._detach()
             self.worker.request("stop", config.flush_timeout_s)
             raise
-        _WATCHED[model] = self
+        _WATCHED[inner] = self
         _OPEN.add(self)
 
     def _attach(
@@ -282,7 +283,7 @@ class Watcher:
 
 
 def watcher_of(model: nn.Module) -> Watcher | None:
-    return _WATCHED.get(model)
+    return _WATCHED.get(unwrap_model(model))
 
 
 @atexit.register
