@@ -17,6 +17,7 @@ import torch
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.distributed import current_rank
 from gradtrack.errors import GradientAlertError, GradtrackConfigError, GradtrackError
 from gradtrack.histogram import Histogram
 from gradtrack.record import LayerStats, StepRecord
@@ -56,7 +57,8 @@ def watch(
     resolved = load_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
         raise GradtrackError(f"gradtrack.watch needs a torch.nn.Module, not {type(model).__name__}")
-    sinks = _build_sinks(backend, resolved)
+    # Under torch.distributed rank 0 writes; the other ranks only help it summarise.
+    sinks = _build_sinks(backend, resolved) if current_rank() == 0 else []
     try:
         return Watcher(model, sinks, resolved, optimizer, scaler=scaler, on_alert=on_alert)
     except BaseException:

@@ -40,6 +40,7 @@ class AlertEvent(BaseModel):
     severity: Severity
     message: str
     rank: int = 0
+    ranks: tuple[int, ...] | None = None  # DDP: ranks whose local gradient was non-finite
     origin_layer: str | None = None
     origin_stage: Stage | None = None
 
@@ -145,11 +146,21 @@ class AlertEngine:
                 "; the first non-finite activation gradient was at the output of "
                 f"{record.activation_origin}, so it arose in the backward of what follows it"
             )
+        ranks = record.nonfinite_ranks
+        if ranks:
+            counts += (
+                f"; before the all-reduce it was non-finite on rank(s) "
+                f"{', '.join(map(str, ranks))} only — look at that rank's batch"
+                if len(ranks) == 1
+                else f"; before the all-reduce it was non-finite on ranks {list(ranks)}"
+            )
+        elif ranks is not None:
+            counts += "; every rank's local gradient was finite: the all-reduce overflowed"
         message = f"{kind} gradient {where}. {counts}. Try: {advice}."
         events = self._emit(
             record, "nonfinite", origin, statistic="nan_count" if nan else "inf_count",
             value=float(nan or inf), threshold=0.0, message=message,
-            origin_layer=origin, origin_stage=stage,
+            origin_layer=origin, origin_stage=stage, ranks=ranks,
         )  # fmt: skip
         if events and self.first_nonfinite is None:
             self.first_nonfinite = events[0]

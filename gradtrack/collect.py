@@ -7,7 +7,7 @@ reads a value back, so on an accelerator it does not wait for the device.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ class Collector:
         # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
         # device without a sync: what accelerators need. None: on every device but the CPU.
         self.foreach_only: bool | None = None
+        # Sharded (DTensor) gradients: reduce the local shards, then combine the rows across
+        # ranks with this (see `gradtrack.distributed.RankGroup.reduce_shards`).
+        self.reduce_shards: Callable[[Tensor, np.ndarray, int], Tensor] | None = None
 
     def collect(self, with_samples: bool, flags: Tensor | None = None) -> list[HostPart]:
         """Reduce every present gradient; one `HostPart` per device (usually one).
@@ -55,6 +58,8 @@ class Collector:
                 grad = param.grad
                 if grad is None or not param.requires_grad:
                     continue
+                if self.reduce_shards is not None:
+                    grad = grad.to_local()  # type: ignore[attr-defined]
                 if grad.is_sparse:
                     # The dense gradient's statistics: implicit zeros add nothing to the sums.
                     grad = grad.coalesce()._values()
@@ -92,13 +97,18 @@ class Collector:
                 samples.append(sample_elements(grads, counts.tolist(), self._generator(device)))
             all_grads.extend(grads)
         tensor_index = np.concatenate([np.asarray(indices) for indices, _ in groups])
-        float64 = [torch.cat(stats).reshape(-1)]
+        rows = torch.cat(stats)
+        if not foreach_only:  # CPU rows: count NaN/Inf now, where norms came out non-finite
+            fill_nonfinite_counts(rows.numpy(), all_grads)
+        if self.reduce_shards is not None:
+            rows = self.reduce_shards(rows, tensor_index, len(self.params))
+        float64 = [rows.reshape(-1)]
         if flags is not None:
             float64.append(flags.to(device, torch.float64, non_blocking=True))
         pieces = [torch.cat(float64).view(torch.float32), *samples]
         buffer, ready = copy_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
         self.host_transfers += 1
-        part = HostPart(
+        return HostPart(
             tensor_index=tensor_index,
             sample_counts=(
                 np.minimum(self.sample_counts[tensor_index], _numel_of(all_grads))
@@ -109,9 +119,6 @@ class Collector:
             ready=ready,
             n_flags=0 if flags is None else flags.numel(),
         )
-        if not foreach_only:
-            fill_nonfinite_counts(part.stats(), all_grads)
-        return part
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

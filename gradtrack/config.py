@@ -79,6 +79,18 @@ class MlflowOptions(BaseModel):
     )
 
 
+class DistributedOptions(BaseModel):
+    """How gradtrack behaves under torch.distributed (detected; nothing to switch on)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gather_ranks: bool = Field(
+        False,
+        description="Also write each rank's local gradient norm per layer, before the "
+        "all-reduce (grad_norm_rank<r>/<layer>), from rank 0. Replicated (DDP) training only.",
+    )
+
+
 class GradtrackConfig(BaseModel):
     """Everything that decides what gradtrack watches, how often, and how it hands data on.
 
@@ -131,6 +143,9 @@ class GradtrackConfig(BaseModel):
     )
     wandb: WandbOptions = Field(default_factory=WandbOptions, description="W&B sink options.")
     mlflow: MlflowOptions = Field(default_factory=MlflowOptions, description="MLflow options.")
+    distributed: DistributedOptions = Field(
+        default_factory=DistributedOptions, description="torch.distributed options."
+    )
 
     @field_validator("include", "exclude", mode="before")
     @classmethod

@@ -42,9 +42,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
         elif type(model).__name__ == "OptimizedModule" and isinstance(
-            getattr(model, "_orig_mod", None), nn.Module
+            inner := getattr(model, "_orig_mod", None), nn.Module
         ):
-            model = model._orig_mod
+            model = inner
         else:
             return model
 

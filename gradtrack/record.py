@@ -32,6 +32,8 @@ LAYER_KEY_PREFIX = {
 }
 NONFINITE_KEY_PREFIX = {"nan": "grad_nan", "inf": "grad_inf"}
 ACTIVATION_KEY_PREFIX = "act_grad_norm"
+# With ``distributed.gather_ranks``: grad_norm_rank<r>/<layer>, rank r's local gradient.
+RANK_KEY_PREFIX = "grad_norm_rank"
 
 
 class LayerStats(NamedTuple):
@@ -68,6 +70,10 @@ class StepRecord:
     activation_grad_norms: Mapping[str, float] = field(default_factory=dict)
     activation_origin: str | None = None
     model_name: str | None = None  # set when several models share one run
+    # torch.distributed with replicated gradients (DDP): ranks whose local gradient (before
+    # the all-reduce) was non-finite; with ``gather_ranks``, [ranks, layers] local norms.
+    nonfinite_ranks: tuple[int, ...] | None = None
+    rank_grad_norms: np.ndarray | None = None
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -159,6 +165,10 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
                 metrics[metric_key(prefix, layer, model)] = value
     for module, value in record.activation_grad_norms.items():
         metrics[metric_key(ACTIVATION_KEY_PREFIX, module, model)] = value
+    if record.rank_grad_norms is not None:
+        for rank, norms in enumerate(record.rank_grad_norms.tolist()):
+            for layer, value in zip(record.layers, norms):
+                metrics[metric_key(f"{RANK_KEY_PREFIX}{rank}", layer, model)] = value
     return metrics
 
 

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
+from gradtrack.distributed import LocalNormProbe, RankGroup, rank_group
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.layers import activation_modules, discover_layers, unwrap_model
@@ -49,7 +50,6 @@ class Watcher:
         optimizer: torch.optim.Optimizer | None = None,
         scaler: torch.amp.GradScaler | None = None,
         on_alert: AlertCallback | None = None,
-        rank: int = 0,
     ) -> None:
         inner = unwrap_model(model)
         if inner in _WATCHED:
@@ -61,6 +61,17 @@ class Watcher:
         self.config = config
         self.layers = discover_layers(inner, config)
         self.collector = Collector(self.layers, config.hist_sample_size, config.seed)
+        self.ranks: RankGroup | None = rank_group(model, self.collector.params)
+        rank = 0 if self.ranks is None else self.ranks.rank
+        if self.ranks is not None and self.ranks.layout == "sharded":
+            if optimizer is None and scaler is None:
+                raise GradtrackError(
+                    "watching a sharded (FSDP2) model needs optimizer= (or scaler=): its "
+                    "gradients are complete only once backward has reduce-scattered them"
+                )
+            self.collector.reduce_shards = self.ranks.reduce_shards
+        if rank != 0:
+            sinks = []  # rank 0 writes; the others take part in the logged steps' collective
         self.mailbox = Mailbox(config.queue_size, config.queue_full)
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
@@ -76,6 +87,7 @@ class Watcher:
             on_alert=on_alert,
             on_raise=self._remember_alert_error,
             activation_names=self.activation_names,
+            ranks=self.ranks,
         )
         self.step = 0
         self.collect_errors = 0
@@ -85,6 +97,7 @@ class Watcher:
         self._scaler_tap: ScalerTap | None = None
         self._order_probe: BackwardOrderProbe | None = None
         self._activation_probe: ActivationProbe | None = None
+        self._local_probe: LocalNormProbe | None = None
         try:
             self._attach(model, optimizer, scaler, [module for _, module in watched_outputs])
         except BaseException:  # leave the model, the scaler and the threads as they were
@@ -118,6 +131,9 @@ class Watcher:
         if output_modules:
             self._activation_probe = ActivationProbe(output_modules, self._next_step_is_due)
             self._handles.extend(self._activation_probe.handles)
+        if self.ranks is not None and self.ranks.layout == "replicated":
+            self._local_probe = LocalNormProbe(self.collector.params, self._next_step_is_due)
+            self._handles.extend(self._local_probe.handles)
 
     def _detach(self) -> None:
         """Remove every hook and wrapper gradtrack added."""
@@ -164,7 +180,13 @@ class Watcher:
         task = torch._C._current_graph_task_id()
         if task != self._queued_for_task:
             self._queued_for_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._step_boundary)
+            end = self._step_boundary if self.ranks is None else self._after_reducer
+            torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def _after_reducer(self) -> None:
+        # DDP queues its own end-of-backward callback (copying the all-reduced gradients
+        # back) after ours was queued; a callback queued now runs after it.
+        torch.autograd.Variable._execution_engine.queue_callback(self._step_boundary)
 
     def _before_optimizer_step(self, *_: Any) -> None:
         self._step_boundary()
@@ -184,8 +206,18 @@ class Watcher:
             return
         activation_order: list[int] | None = None
         try:
-            evidence, activation_order = self._evidence()
+            ranks_local = None
+            if self._local_probe is not None and self.ranks is not None:
+                # The step's one collective: every replicated rank's local norms, to rank 0.
+                local = self._local_probe.take(self.collector.params[0].device)
+                ranks_local = self.ranks.all_gather(local).reshape(-1)
+                if self.ranks.rank != 0:
+                    self._evidence()  # clears the probes; rank 0's evidence is what counts
+                    return
+            evidence, activation_order = self._evidence(ranks_local)
             parts = self.collector.collect(with_samples, evidence)
+            if self.ranks is not None and self.ranks.rank != 0:
+                return  # sharded: this rank's shard rows went into rank 0's
         except Exception as exc:  # watching must never crash training
             self.collect_errors += 1
             if self.collect_errors == 1:
@@ -221,10 +253,13 @@ class Watcher:
         self._order_probe = None
         return probe.order
 
-    def _evidence(self) -> tuple[torch.Tensor | None, list[int] | None]:
+    def _evidence(
+        self, ranks_local: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, list[int] | None]:
         """Step flags as one float64 tensor: output finite, output grad finite, the
         GradScaler's found-inf, scale and next scale, then the activation-gradient norms
-        (NaN where unknown); and the order in which activation gradients arrived."""
+        (NaN where unknown), then ``ranks_local`` (every rank's local tensor norms); and the
+        order in which activation gradients arrived."""
         values: list[torch.Tensor | None] = [*self._output_probe.take(), None, None, None]
         if self._scaler_tap is not None:
             values[2:] = self._scaler_tap.evidence() or (None, None, None)
@@ -233,14 +268,19 @@ class Watcher:
             norms, order = self._activation_probe.take()
             values.extend(norms)
         known = [v for v in values if v is not None]
+        if ranks_local is not None:
+            known.append(ranks_local)
         if not known:
             return None, order
         device = known[0].device
-        nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+        nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
         flags = [
-            nan if v is None else v.to(device, torch.float64, non_blocking=True) for v in values
+            nan if v is None else v.to(device, torch.float64, non_blocking=True).reshape(1)
+            for v in values
         ]
-        return torch.stack(flags), order
+        if ranks_local is not None:
+            flags.append(ranks_local.to(device, torch.float64, non_blocking=True))
+        return torch.cat(flags), order
 
     # -- lifecycle ----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:

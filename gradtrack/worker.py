@@ -20,6 +20,7 @@ import numpy as np
 from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
+from gradtrack.distributed import RankGroup, rank_layer_norms
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.record import StepRecord, summarise_layers
 from gradtrack.sinks.base import GradientSink
@@ -117,6 +118,7 @@ class Worker:
         on_alert: Callable[[AlertEvent], None] | None = None,
         on_raise: Callable[[AlertEvent], None] | None = None,
         activation_names: Sequence[str] = (),
+        ranks: RankGroup | None = None,
     ) -> None:
         self.sinks = list(sinks)
         self.sink_errors = [0] * len(self.sinks)
@@ -133,6 +135,8 @@ class Worker:
         self._on_raise = on_raise
         self._activation_names = tuple(activation_names)
         self._model_name = config.model_name
+        self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
+        self._gather_ranks = config.distributed.gather_ranks
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
 
@@ -225,6 +229,8 @@ class Worker:
             collector.tensor_numel[index],
             np.concatenate([part.stats() for part in pending.parts]),
         )
+        n_activations = len(self._activation_names)
+        activation_flags = flags[5 : 5 + n_activations]
         return StepRecord(
             step=pending.step,
             wall_time=pending.wall_time,
@@ -234,8 +240,26 @@ class Worker:
             histograms=self._histograms(pending.parts),
             model_name=self._model_name,
             **_evidence(flags[:5]),
-            **self._activations(flags[5:], pending.activation_order or []),
+            **self._activations(activation_flags, pending.activation_order or []),
+            **self._ranks(flags[5 + n_activations :], layers),
         )
+
+    def _ranks(self, local_norms: np.ndarray, layers: tuple[str, ...]) -> dict[str, Any]:
+        """Replicated ranks' local (pre-all-reduce) gradients: who went non-finite, and with
+        ``gather_ranks`` each rank's layer norms."""
+        if not self._world_size or len(local_norms) == 0:
+            return {}
+        collector = self._collector
+        per_tensor = local_norms.reshape(self._world_size, -1)
+        bad = ~np.isfinite(per_tensor).all(axis=1)
+        fields: dict[str, Any] = {"nonfinite_ranks": tuple(np.flatnonzero(bad).tolist())}
+        if self._gather_ranks:
+            per_layer = rank_layer_norms(
+                per_tensor, collector.tensor_layer, len(collector.layer_names)
+            )
+            position = {name: i for i, name in enumerate(collector.layer_names)}
+            fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
+        return fields
 
     def _activations(self, norms: np.ndarray, order: list[int]) -> dict[str, Any]:
         if not self._activation_names or len(norms) == 0:

@@ -1,0 +1,153 @@
+"""torch.distributed: which rank writes, and the one collective per logged step.
+
+Two layouts, told apart by the parameters:
+
+* **replicated** (DDP, or any job whose gradients are all-reduced): every rank ends the
+  step with the same gradient, so rank 0 summarises its own copy like a single process.
+  What only a rank knows is its *local* gradient before the all-reduce; a post-accumulate
+  hook takes one L2 norm per tensor of it on logged steps (before DDP's reducer sees the
+  gradient), and one all-gather brings every rank's norms to rank 0: the ranks where a
+  NaN/Inf arose, and per-rank layer norms with ``distributed.gather_ranks``.
+* **sharded** (FSDP2: DTensor parameters sharded on a 1-D mesh): each rank reduces its
+  shards; one all-gather of the [tensors, 5] rows, then sum of squares, L1 and counts are
+  summed and max |g| is maxed across ranks — the full gradient's statistics.
+
+Steps that are not logged see no collective at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from gradtrack.errors import GradtrackError
+from gradtrack.stats import L2, LINF, TENSOR_COLUMNS
+
+Layout = Literal["replicated", "sharded"]
+# Renamed in torch 2.13 (the old name warns); the flat, concatenated form works in both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def current_rank() -> int:
+    """This process's rank in the default group, 0 outside torch.distributed."""
+    return dist.get_rank() if _initialized() else 0
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """The processes that train one model together, as gradtrack sees them."""
+
+    layout: Layout
+    group: Any  # a ProcessGroup; None means the default group
+    rank: int
+    world_size: int
+
+    def all_gather(self, local: Tensor) -> Tensor:
+        """[world_size, *local.shape]: every rank's ``local``, in rank order (one collective)."""
+        out = local.new_empty(self.world_size * local.numel())
+        _all_gather_single(out, local.reshape(-1).contiguous(), group=self.group)
+        return out.view(self.world_size, *local.shape)
+
+    def reduce_shards(self, rows: Tensor, tensor_index: np.ndarray, n_tensors: int) -> Tensor:
+        """Full-gradient rows from each rank's shard rows (see `stats.tensor_norms`)."""
+        local = rows.new_zeros(n_tensors, TENSOR_COLUMNS)
+        index = torch.as_tensor(tensor_index, device=rows.device)
+        local[index] = rows
+        local[:, L2] = local[:, L2].square()
+        gathered = self.all_gather(local)
+        full = gathered.sum(dim=0)
+        full[:, L2] = full[:, L2].sqrt()
+        full[:, LINF] = gathered[:, :, LINF].amax(dim=0)  # NaN anywhere stays NaN
+        return full[index]
+
+
+def rank_group(model: nn.Module, params: list[nn.Parameter]) -> RankGroup | None:
+    """How ``model`` is trained across processes; None in a single process."""
+    if not _initialized():
+        return None
+    sharded = [p for p in params if _is_dtensor(p)]
+    if sharded:
+        meshes: list[Any] = []  # each fully_shard call makes its own (equal) mesh object
+        for param in sharded:
+            if not any(param.device_mesh == mesh for mesh in meshes):  # type: ignore[attr-defined]
+                meshes.append(param.device_mesh)  # type: ignore[attr-defined]
+        placements = {str(p.placements) for p in sharded}  # type: ignore[attr-defined]
+        mesh = meshes[0]
+        if len(meshes) > 1 or mesh.ndim != 1 or any("Shard" not in s for s in placements):
+            raise GradtrackError(
+                "gradtrack supports sharded (DTensor) parameters on one 1-D device mesh with "
+                f"Shard placements (FSDP2's fully_shard); this model has {len(meshes)} mesh(es) "
+                f"and placements {sorted(placements)}"
+            )
+        group = mesh.get_group()
+        return RankGroup("sharded", group, dist.get_rank(group), dist.get_world_size(group))
+    group = getattr(model, "process_group", None)
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return None
+    return RankGroup("replicated", group, dist.get_rank(group), world_size)
+
+
+class LocalNormProbe:
+    """Each rank's local gradient norm per tensor, before gradients are all-reduced.
+
+    A post-accumulate-grad hook runs before DDP's reducer hook on the same parameter, so it
+    sees the rank's own (accumulated) gradient. It computes only on logged steps.
+    """
+
+    def __init__(self, params: list[nn.Parameter], is_due: Any) -> None:
+        self._is_due = is_due
+        self._norms: list[Tensor | None] = [None] * len(params)
+        self.handles: list[RemovableHandle] = [
+            param.register_post_accumulate_grad_hook(lambda p, i=i: self._ready(i, p))
+            for i, param in enumerate(params)
+            if param.requires_grad
+        ]
+
+    def _ready(self, index: int, param: Tensor) -> None:
+        if not self._is_due() or param.grad is None:
+            return
+        grad = param.grad
+        if grad.is_sparse:
+            grad = grad.coalesce()._values()
+        low = grad.dtype in (torch.float16, torch.bfloat16)
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(grad, dtype=torch.float32 if low else None)
+        self._norms[index] = norm
+
+    def take(self, device: torch.device) -> Tensor:
+        """float64 [tensors]: this step's local norms, 0 for tensors without a gradient."""
+        norms = self._norms
+        self._norms = [None] * len(norms)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(
+            [zero if n is None else n.to(device, torch.float64, non_blocking=True) for n in norms]
+        )
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def rank_layer_norms(
+    local_norms: np.ndarray, tensor_layer: np.ndarray, n_layers: int
+) -> np.ndarray:
+    """[ranks, tensors] local tensor norms → [ranks, layers] local layer norms."""
+    return np.sqrt(
+        np.stack([np.bincount(tensor_layer, row * row, minlength=n_layers) for row in local_norms])
+    )

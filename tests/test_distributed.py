@@ -1,0 +1,156 @@
+"""torch.distributed: 2 real processes on the gloo backend (CPU) against one process.
+
+DDP and FSDP2 (`fully_shard`, sharded DTensor gradients) train the model of
+`tests.distributed_workers` on two halves of each batch; the reference trains it on the
+whole batch in this process. Rank 0's records must equal the reference's statistics.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from gradtrack.record import scalar_metrics
+from tests import distributed_workers as workers
+from tests.conftest import assert_record_matches, reference_stats
+
+LAYERS = ("0", "2", "4")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(case: workers.Case, tmp_path: Path) -> list[dict[str, Any]]:
+    mp.start_processes(
+        workers.run,
+        args=(case, _free_port(), tmp_path),
+        nprocs=workers.RANKS,
+        start_method="spawn",
+    )
+    results = []
+    for rank in range(workers.RANKS):
+        with (tmp_path / f"rank{rank}.pkl").open("rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def _reference(
+    batch_rows: slice | None = None, steps: int = workers.STEPS
+) -> list[dict[str, dict[str, float]]]:
+    """Per logged step, the statistics of one process training on the whole batch (or on
+    ``batch_rows`` of it)."""
+    model = workers.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    for step in range(steps):
+        x, y = workers.global_batch(step)
+        if batch_rows is not None:
+            x, y = x[batch_rows], y[batch_rows]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if step % workers.LOG_EVERY == 0:
+            expected.append(
+                {
+                    name: reference_stats(p.grad for p in model[int(name)].parameters())
+                    for name in LAYERS
+                }
+            )
+        optimizer.step()
+    return expected
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False], ids=["optimizer", "backward"])
+def test_ddp_rank0_writes_the_synchronized_gradient(tmp_path: Path, with_optimizer: bool) -> None:
+    rank0, rank1 = _launch(workers.Case("ddp", with_optimizer=with_optimizer), tmp_path)
+
+    assert rank0["layer_names"] == LAYERS  # the model's names, not "module.0"
+    assert (rank0["n_sinks"], rank1["n_sinks"]) == (1, 0)
+    records = rank0["records"]
+    assert [r.step for r in records] == workers.LOGGED_STEPS
+    for record, expected in zip(records, _reference()):
+        assert_record_matches(record, expected, rtol=1e-5)
+        assert record.nonfinite_ranks == ()
+        assert record.rank_grad_norms is None
+    # One collective per logged step, on every rank, and none on the other steps.
+    logged = [int(s % workers.LOG_EVERY == 0) for s in range(workers.STEPS)]
+    assert rank0["collectives_per_step"] == rank1["collectives_per_step"] == logged
+
+
+def test_ddp_nan_on_one_rank_is_named_in_the_alert(tmp_path: Path) -> None:
+    rank0, rank1 = _launch(workers.Case("ddp", nan_on_rank=1), tmp_path)
+
+    last = rank0["records"][-1]
+    assert last.step == workers.STEPS - 1
+    assert last.nan_count > 0  # the all-reduce spread rank 1's NaN to every rank
+    assert last.nonfinite_ranks == (1,)
+    events = [e for e in rank0["events"] if e.rule == "nonfinite"]
+    assert len(events) == 1
+    assert events[0].ranks == (1,)
+    assert "rank(s) 1 only" in events[0].message
+    assert rank1["events"] == []  # rank 0 alerts; the others only report to it
+
+
+def test_ddp_gather_ranks_writes_each_ranks_local_norms(tmp_path: Path) -> None:
+    rank0, _ = _launch(workers.Case("ddp", gather_ranks=True), tmp_path)
+
+    first = rank0["records"][0]
+    assert first.rank_grad_norms is not None
+    assert first.rank_grad_norms.shape == (workers.RANKS, len(LAYERS))
+    metrics = scalar_metrics(first)
+    for rank in range(workers.RANKS):
+        local = _reference(workers.rank_slice(rank), steps=1)[0]
+        for layer in LAYERS:
+            np.testing.assert_allclose(
+                metrics[f"grad_norm_rank{rank}/{layer}"], local[layer]["norm"], rtol=1e-6
+            )
+    # Each rank's local norm differs from the synchronized one, which is their average's.
+    assert not np.allclose(first.rank_grad_norms[0], first.rank_grad_norms[1])
+
+
+def test_fsdp2_statistics_of_the_full_gradient_from_shards(tmp_path: Path) -> None:
+    rank0, rank1 = _launch(workers.Case("fsdp2"), tmp_path)
+
+    assert (rank0["n_sinks"], rank1["n_sinks"]) == (1, 0)
+    records = rank0["records"]
+    assert [r.step for r in records] == workers.LOGGED_STEPS
+    for record, expected in zip(records, _reference()):
+        assert_record_matches(record, expected, rtol=1e-5)
+    logged = [int(s % workers.LOG_EVERY == 0) for s in range(workers.STEPS)]
+    assert rank0["collectives_per_step"] == rank1["collectives_per_step"] == logged
+
+
+def test_fsdp2_nan_counts_are_summed_over_shards(tmp_path: Path) -> None:
+    rank0, _ = _launch(workers.Case("fsdp2", nan_on_rank=0), tmp_path)
+
+    last = rank0["records"][-1]
+    # The NaN input poisons every gradient element after the reduce-scatter: all counted.
+    np.testing.assert_array_equal(last.column("nan"), last.column("numel"))
+    assert [e.rule for e in rank0["events"]] == ["nonfinite"]
+
+
+def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+         str(ROOT / "examples" / "ddp.py"), "--steps", "30", "--backend", "console"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "grad/total_norm" in result.stdout or "total" in result.stdout, result.stdout[-2000:]
+    assert "rank 1" not in result.stdout  # one table, from rank 0
