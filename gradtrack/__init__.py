@@ -23,7 +23,7 @@ from gradtrack.histogram import Histogram
 from gradtrack.record import LayerStats, StepRecord
 from gradtrack.rules import AlertRules
 from gradtrack.sinks import GradientSink, create_sink, register_sink
-from gradtrack.watcher import Watcher, watcher_of
+from gradtrack.watcher import StepSource, Watcher, watcher_of
 
 __version__ = "0.1.0"
 
@@ -38,6 +38,7 @@ def watch(
     *,
     scaler: torch.amp.GradScaler | None = None,
     on_alert: Callable[[AlertEvent], None] | None = None,
+    steps: StepSource = "auto",
     **overrides: Any,
 ) -> Watcher:
     """Watch ``model``'s gradients and stream per-layer summaries to ``backend``.
@@ -48,7 +49,9 @@ def watch(
     a config file; keyword ``overrides`` (``log_every=1``) win over everything else.
     With a ``scaler`` (`torch.amp.GradScaler`) a step is one ``scaler.update()``: gradients
     are reported unscaled and overflow-skipped steps become ``amp`` events. ``on_alert`` is
-    called with every `AlertEvent`, from gradtrack's worker thread.
+    called with every `AlertEvent`, from gradtrack's worker thread. ``steps="manual"`` leaves
+    ending each step to you (`Watcher.end_step`, once gradients are complete); a callable makes
+    only the backward passes for which it returns True end a step.
 
     >>> model = torch.nn.Linear(3, 1)
     >>> watcher = watch(model, backend="memory", log_every=50)
@@ -60,7 +63,9 @@ def watch(
     # Under torch.distributed rank 0 writes; the other ranks only help it summarise.
     sinks = _build_sinks(backend, resolved) if current_rank() == 0 else []
     try:
-        return Watcher(model, sinks, resolved, optimizer, scaler=scaler, on_alert=on_alert)
+        return Watcher(
+            model, sinks, resolved, optimizer, scaler=scaler, on_alert=on_alert, steps=steps
+        )
     except BaseException:
         for sink in sinks:
             sink.close()

@@ -63,15 +63,19 @@ class OutputProbe:
 
 class ScalerTap:
     """Makes ``scaler.update()`` the step boundary, where gradients are already unscaled and
-    the scaler knows (on the device) whether it skipped the step."""
+    the scaler knows (on the device) whether it skipped the step. Without ``on_update`` it
+    only reads that evidence (the owner ends steps after ``unscale_``)."""
 
-    def __init__(self, scaler: torch.amp.GradScaler, on_update: Callable[[], None]) -> None:
+    def __init__(self, scaler: torch.amp.GradScaler, on_update: Callable[[], None] | None) -> None:
+        self.scaler = scaler
+        self._wraps_update = on_update is not None
+        if on_update is None:
+            return
         if "update" in vars(scaler):
             raise GradtrackError(
                 "this GradScaler is already watched (its update() is wrapped): one watcher per "
                 "scaler; close the other watcher first"
             )
-        self.scaler = scaler
         original = scaler.update
 
         def update(new_scale: Any = None) -> None:
@@ -98,7 +102,8 @@ class ScalerTap:
         return found_inf.double(), scale, after
 
     def remove(self) -> None:
-        vars(self.scaler).pop("update", None)
+        if self._wraps_update:
+            vars(self.scaler).pop("update", None)
 
 
 class BackwardOrderProbe:

@@ -12,7 +12,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, PendingStep, Worker
 
 AlertCallback = Callable[[AlertEvent], None]
+# Where a step ends: "auto" (see `Watcher`), "manual" (the owner calls `Watcher.end_step`),
+# or a predicate asked at each backward: only backwards for which it is true end a step.
+StepSource = Literal["auto", "manual"] | Callable[[], bool]
 
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, Watcher] = weakref.WeakKeyDictionary()
 _OPEN: weakref.WeakSet[Watcher] = weakref.WeakSet()
@@ -50,6 +53,7 @@ class Watcher:
         optimizer: torch.optim.Optimizer | None = None,
         scaler: torch.amp.GradScaler | None = None,
         on_alert: AlertCallback | None = None,
+        steps: StepSource = "auto",
     ) -> None:
         inner = unwrap_model(model)
         if inner in _WATCHED:
@@ -98,6 +102,7 @@ class Watcher:
         self._order_probe: BackwardOrderProbe | None = None
         self._activation_probe: ActivationProbe | None = None
         self._local_probe: LocalNormProbe | None = None
+        self._steps = steps
         try:
             self._attach(model, optimizer, scaler, [module for _, module in watched_outputs])
         except BaseException:  # leave the model, the scaler and the threads as they were
@@ -114,11 +119,14 @@ class Watcher:
         scaler: torch.amp.GradScaler | None,
         output_modules: list[nn.Module],
     ) -> None:
+        manual = self._steps == "manual"
         if scaler is not None:
-            self._scaler_tap = ScalerTap(scaler, self._step_boundary)
-        if self._scaler_tap is None and optimizer is not None:
+            self._scaler_tap = ScalerTap(scaler, None if manual else self._step_boundary)
+        if manual or self._scaler_tap is not None:
+            pass
+        elif optimizer is not None and self._steps == "auto":
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
-        elif self._scaler_tap is None:
+        else:
             for param in self.collector.params:
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
@@ -180,6 +188,8 @@ class Watcher:
         task = torch._C._current_graph_task_id()
         if task != self._queued_for_task:
             self._queued_for_task = task
+            if callable(self._steps) and not self._steps():
+                return  # e.g. a gradient-accumulation micro-batch
             end = self._step_boundary if self.ranks is None else self._after_reducer
             torch.autograd.Variable._execution_engine.queue_callback(end)
 
@@ -190,6 +200,17 @@ class Watcher:
 
     def _before_optimizer_step(self, *_: Any) -> None:
         self._step_boundary()
+
+    def end_step(self) -> None:
+        """End the current step now: gradients are complete (watchers made with
+        ``steps="manual"``, as the Lightning and Hugging Face callbacks do)."""
+        if self._steps != "manual":
+            raise GradtrackError(
+                "end_step() is for watchers whose steps are marked by hand (steps='manual'); "
+                "this one ends steps by itself"
+            )
+        if not self.closed:
+            self._step_boundary()
 
     def _next_step_is_due(self) -> bool:
         return self._is_due(self.step) != (False, False)

@@ -1,0 +1,120 @@
+"""Lightning: ``Trainer(callbacks=[GradtrackCallback()])`` watches the LightningModule.
+
+>>> from gradtrack.integrations.lightning import GradtrackCallback
+>>> GradtrackCallback(log_every=50)
+<GradtrackCallback log_every=50>
+
+One record per optimizer step, taken in ``on_before_optimizer_step``: after gradient
+accumulation, after a mixed-precision GradScaler has unscaled the gradients, before clipping
+(the gradients the model produced, as Lightning's own gradient-norm logging sees them).
+Without ``backend`` the sinks follow the trainer's loggers: a ``WandbLogger`` → its W&B run,
+an ``MLFlowLogger`` → its MLflow run, otherwise the console.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.errors import GradtrackError
+from gradtrack.sinks.base import GradientSink
+from gradtrack.watcher import Watcher
+
+if importlib.util.find_spec("lightning") is not None:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+elif importlib.util.find_spec("pytorch_lightning") is not None:
+    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[assignment]
+    from pytorch_lightning.loggers import (  # type: ignore[assignment]
+        MLFlowLogger,
+        WandbLogger,
+    )
+else:
+    raise GradtrackError(
+        "gradtrack.integrations.lightning needs Lightning: pip install gradtrack[lightning]"
+    )
+
+
+class GradtrackCallback(Callback):
+    """Watch the LightningModule's gradients while ``trainer.fit`` runs.
+
+    ``backend``, ``config``, ``on_alert`` and keyword ``overrides`` mean what they mean in
+    `gradtrack.watch`. The watcher is ``self.watcher`` during fit, closed when fit ends.
+    """
+
+    def __init__(
+        self,
+        backend: str | GradientSink | Sequence[str | GradientSink] | None = None,
+        config: ConfigSource = None,
+        *,
+        on_alert: Callable[[AlertEvent], None] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.backend = backend
+        self.config: GradtrackConfig = load_config(config, overrides)  # bad options fail now
+        self.on_alert = on_alert
+        self.watcher: Watcher | None = None
+        self._overrides = overrides
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from gradtrack import _build_sinks
+
+        if self.watcher is not None:
+            self.watcher.close()
+        sinks: list[GradientSink] = []
+        if trainer.global_rank == 0:  # the other ranks only help rank 0 summarise
+            backend = self.backend if self.backend is not None else _sinks_of(trainer, self.config)
+            sinks = _build_sinks(backend, self.config)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.watcher = Watcher(
+            pl_module,
+            sinks,
+            self.config,
+            scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
+            on_alert=self.on_alert,
+            steps="manual",
+        )
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.watcher is not None:
+            self.watcher.end_step()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close()
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+
+    def __repr__(self) -> str:
+        options = " ".join(f"{key}={value!r}" for key, value in self._overrides.items())
+        return f"<GradtrackCallback{' ' + options if options else ''}>"
+
+
+def _sinks_of(trainer: Trainer, config: GradtrackConfig) -> list[str | GradientSink]:
+    """A sink on each tracker run the trainer's loggers already write to; else the console."""
+    sinks: list[str | GradientSink] = []
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            from gradtrack.sinks.wandb import WandbSink
+
+            sinks.append(WandbSink(config, run=logger.experiment))
+        elif isinstance(logger, MLFlowLogger):
+            from gradtrack.sinks.mlflow import MlflowSink
+
+            uri = logger.experiment.tracking_uri  # an MlflowClient
+            options = config.mlflow.model_copy(update={"tracking_uri": uri})
+            sinks.append(MlflowSink(config.model_copy(update={"mlflow": options}), logger.run_id))
+    return sinks or ["console"]

@@ -1,0 +1,151 @@
+"""`GradtrackCallback` in a real `lightning.Trainer` (CPU, a tiny model, a few steps)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pytest
+import torch
+import wandb
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("lightning")
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
+from lightning.pytorch.plugins import MixedPrecision
+
+from gradtrack.integrations.lightning import GradtrackCallback
+from gradtrack.sinks.memory import MemorySink
+from tests.conftest import assert_record_matches, reference_stats
+from tests.sinks import wandb_records
+from tests.sinks.mlflow_server import MlflowServer
+
+BATCHES = 12
+
+
+class TinyRegressor(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.body(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class GradientsSeen(Callback):
+    """The reference: what a callback sees in ``on_before_optimizer_step`` after gradtrack's."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, dict[str, float]]] = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        body = pl_module.body
+        self.steps.append(
+            {f"body.{i}": reference_stats(p.grad for p in body[i].parameters()) for i in (0, 2)}
+        )
+
+
+def _loader() -> DataLoader[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCHES * 4, 6, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=4)
+
+
+def _fit(callback: GradtrackCallback, **trainer_options: Any) -> GradientsSeen:
+    torch.manual_seed(0)
+    seen = GradientsSeen()
+    options: dict[str, Any] = {
+        "accelerator": "cpu", "max_epochs": 1, "logger": False,
+        "enable_checkpointing": False, "enable_progress_bar": False,
+        "enable_model_summary": False, "log_every_n_steps": 1, **trainer_options,
+    }  # fmt: skip
+    Trainer(callbacks=[callback, seen], **options).fit(TinyRegressor(), _loader())
+    return seen
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()
+
+
+def test_one_record_per_optimizer_step_with_gradient_accumulation() -> None:
+    sink = MemorySink()
+    callback = GradtrackCallback(sink, log_every=1, hist_every=None)
+    seen = _fit(callback, accumulate_grad_batches=3)
+
+    assert len(seen.steps) == BATCHES // 3
+    assert [r.step for r in sink.records] == list(range(BATCHES // 3))
+    for record, expected in zip(sink.records, seen.steps):
+        assert_record_matches(record, expected)
+    assert callback.watcher is not None and callback.watcher.closed
+    assert sink.closed
+
+
+def test_mixed_precision_gradients_are_reported_unscaled() -> None:
+    sink = MemorySink()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    seen = _fit(
+        GradtrackCallback(sink, log_every=1, hist_every=None),
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )
+
+    assert len(sink.records) == BATCHES
+    for record, expected in zip(sink.records, seen.steps):
+        assert_record_matches(record, expected, rtol=1e-5)
+        assert record.amp_scale == 2.0**12  # scaled by 4096 in backward, reported unscaled
+        assert record.amp_skipped is False
+
+
+def test_wandb_logger_run_receives_the_gradients(offline_wandb: Path) -> None:
+    logger = WandbLogger(project="gradtrack-lightning", save_dir=str(offline_wandb), offline=True)
+    _fit(GradtrackCallback(log_every=2, hist_every=None), logger=logger)
+    run_dir = Path(logger.experiment.dir).parent
+    wandb.finish()
+    wandb.teardown()
+
+    rows = wandb_records.history(wandb_records.read_records(run_dir))
+    logged = [row for row in rows if "grad_norm/body.0" in row]
+    assert [row["gradtrack/step"] for row in logged] == list(range(0, BATCHES, 2))
+    assert any("train_loss" in row for row in rows)  # Lightning's own metrics, same run
+
+
+def test_mlflow_logger_run_receives_the_gradients(mlflow_server: MlflowServer) -> None:
+    logger = MLFlowLogger(experiment_name="gradtrack-lightning", tracking_uri=mlflow_server.uri)
+    _fit(GradtrackCallback(log_every=3, hist_every=None), logger=logger)
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    history = client.get_metric_history(logger.run_id, "grad_norm/body.2")
+    assert [m.step for m in history] == list(range(0, BATCHES, 3))
+    assert client.get_metric_history(logger.run_id, "train_loss")
+
+
+def test_other_loggers_fall_back_to_the_console(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    callback = GradtrackCallback(log_every=4, hist_every=None, console_interval_s=0)
+    _fit(callback, logger=CSVLogger(tmp_path))
+
+    assert callback.watcher is not None
+    assert [type(sink).__name__ for sink in callback.watcher.sinks] == ["ConsoleSink"]
+    assert "body.0" in capsys.readouterr().out
+
+
+def test_bad_options_fail_when_the_callback_is_made() -> None:
+    with pytest.raises(Exception, match="log_every"):
+        GradtrackCallback(log_every=0)
