@@ -299,21 +299,23 @@ class AlertEngine:
         return events
 
     def _jump(self, record: StepRecord) -> list[AlertEvent]:
-        norms = record.column("norm")
-        flowing = np.flatnonzero(np.isfinite(norms) & (norms > 0))  # rows are in depth order
+        # RMS, not norm: a LayerNorm's 128 elements next to a Linear's 16,384 differ ~11x in
+        # norm from size alone; per element the flow of gradient is comparable.
+        rms = record.column("rms")
+        flowing = np.flatnonzero(np.isfinite(rms) & (rms > 0))  # rows are in depth order
         upper, lower = flowing[:-1], flowing[1:]
-        ratio = np.maximum(norms[upper] / norms[lower], norms[lower] / norms[upper])
+        ratio = np.maximum(rms[upper] / rms[lower], rms[lower] / rms[upper])
         idx = np.fromiter((self._depth[record.layers[j]] for j in lower), np.int64, len(lower))
         limit = self._param("jump", "ratio", idx)
         events: list[AlertEvent] = []
         for k in np.flatnonzero(self._enabled("jump", idx) & (ratio > limit)):
             a, b = record.layers[upper[k]], record.layers[lower[k]]
             events += self._emit(
-                record, "jump", b, statistic="norm_ratio", value=float(ratio[k]),
+                record, "jump", b, statistic="rms_ratio", value=float(ratio[k]),
                 threshold=float(limit[k]),
                 message=(
-                    f"gradient norm changes {ratio[k]:.3g}× between adjacent layers {a} "
-                    f"({norms[upper[k]]:.3g}) and {b} ({norms[lower[k]]:.3g}): gradient flow "
+                    f"gradient RMS changes {ratio[k]:.3g}× between adjacent layers {a} "
+                    f"({rms[upper[k]]:.3g}) and {b} ({rms[lower[k]]:.3g}): gradient flow "
                     "breaks here. Look for a saturating activation, a missing normalisation "
                     "or residual path, or a scale mismatch between these layers."
                 ),

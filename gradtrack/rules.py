@@ -71,7 +71,8 @@ class DeadRule(Rule):
 
 
 class JumpRule(Rule):
-    """Norm ratio between layers adjacent in depth above ``ratio``: gradient flow breaks there."""
+    """Gradient RMS (norm per √element, so layer size cancels) ratio between layers adjacent
+    in depth above ``ratio``: gradient flow breaks there."""
 
     ratio: PositiveFloat = 100.0
 

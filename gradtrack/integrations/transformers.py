@@ -1,0 +1,116 @@
+"""Hugging Face: ``Trainer(..., callbacks=[GradtrackCallback()])`` watches the model.
+
+>>> from gradtrack.integrations.transformers import GradtrackCallback
+>>> GradtrackCallback(log_every=50)
+<GradtrackCallback log_every=50>
+
+One record per optimizer step (``state.global_step``), taken at the end of the backward pass
+that completes it (the last micro-batch of gradient accumulation): the gradients the model
+produced, *before* the Trainer clips them (it clips at ``max_grad_norm=1.0`` by default, and a
+clipped gradient never looks like it exploded). Under fp16 mixed precision with a GradScaler
+the record is taken at ``scaler.update()`` instead, where gradients are unscaled — and clipped.
+Layer names are the model's module names (``transformer.h.0.attn.c_attn``). Without
+``backend`` the sinks follow ``TrainingArguments.report_to``: ``"wandb"`` → the Trainer's W&B
+run, ``"mlflow"`` → its MLflow run, otherwise the console.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.errors import GradtrackError
+from gradtrack.sinks.base import GradientSink
+from gradtrack.watcher import StepSource, Watcher
+
+if importlib.util.find_spec("transformers") is None:
+    raise GradtrackError(
+        "gradtrack.integrations.transformers needs transformers: "
+        "pip install gradtrack[transformers]"
+    )
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+Backend = str | GradientSink | Sequence[str | GradientSink]
+
+
+class GradtrackCallback(TrainerCallback):
+    """Watch the Trainer's model from ``on_train_begin`` to ``on_train_end``.
+
+    ``backend``, ``config``, ``on_alert`` and keyword ``overrides`` mean what they mean in
+    `gradtrack.watch`. The watcher is ``self.watcher`` while training runs.
+    """
+
+    def __init__(
+        self,
+        backend: Backend | None = None,
+        config: ConfigSource = None,
+        *,
+        on_alert: Callable[[AlertEvent], None] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.backend = backend
+        self.config: GradtrackConfig = load_config(config, overrides)  # bad options fail now
+        self.on_alert = on_alert
+        self.watcher: Watcher | None = None
+        self._overrides = overrides
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        from gradtrack import _build_sinks
+
+        if model is None:
+            raise GradtrackError("the Trainer gave GradtrackCallback no model")
+        self._close()
+        sinks: list[GradientSink] = []
+        if state.is_world_process_zero:
+            sinks = _build_sinks(self.backend or _sinks_of(args), self.config)
+        # An AcceleratedOptimizer carries the fp16 GradScaler, if any.
+        scaler = getattr(optimizer, "scaler", None)
+        if not (isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()):
+            scaler = None
+        steps: StepSource = "auto" if scaler is not None else _last_micro_batch()
+        self.watcher = Watcher(
+            model, sinks, self.config, scaler=scaler, on_alert=self.on_alert, steps=steps
+        )
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+
+    def __repr__(self) -> str:
+        options = " ".join(f"{key}={value!r}" for key, value in self._overrides.items())
+        return f"<GradtrackCallback{' ' + options if options else ''}>"
+
+
+def _last_micro_batch() -> Callable[[], bool]:
+    """True during the backward of a micro-batch after which the Trainer steps: it sets
+    accelerate's shared gradient state before each micro-batch."""
+    from accelerate.state import GradientState
+
+    gradient_state = GradientState()
+    return lambda: bool(gradient_state.sync_gradients)
+
+
+def _sinks_of(args: TrainingArguments) -> list[str]:
+    report_to = args.report_to or []
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+    # The Trainer's own W&B/MLflow callbacks run first and leave their run active.
+    sinks = [name for name in ("wandb", "mlflow") if name in report_to or "all" in report_to]
+    return sinks or ["console"]

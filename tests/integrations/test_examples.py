@@ -1,0 +1,24 @@
+"""The integration examples run as a user runs them (few steps), and print gradtrack's table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("script", "layer"),
+    [("lightning_callback.py", "net.2"), ("hf_trainer.py", "transformer.h.1.attn.c_attn")],
+)
+def test_example_runs(script: str, layer: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--steps", "12"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gradtrack step 10" in result.stdout and layer in result.stdout

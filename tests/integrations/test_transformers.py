@@ -1,0 +1,167 @@
+"""`GradtrackCallback` in a real `transformers.Trainer` with a tiny random GPT-2 (no download)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import pytest
+import torch
+import wandb
+
+pytest.importorskip("transformers")
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from gradtrack.integrations.transformers import GradtrackCallback
+from gradtrack.sinks.memory import MemorySink
+from tests.conftest import assert_record_matches, reference_stats
+from tests.sinks import wandb_records
+from tests.sinks.mlflow_server import MlflowServer
+
+STEPS = 4
+ACCUMULATE = 2
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int = 64) -> None:
+        self.ids = torch.randint(100, (n, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class GradientsSeen(TrainerCallback):  # type: ignore[misc]
+    """Reference: the gradients right before the optimizer step, per watched layer; and the
+    Trainer's own logs (its ``grad_norm`` is the norm before clipping)."""
+
+    def __init__(self) -> None:
+        self.model: torch.nn.Module | None = None
+        self.steps: list[dict[str, dict[str, float]]] = []
+        self.logs: list[dict[str, float]] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any):
+        self.model = model
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        assert self.model is not None
+        modules = dict(self.model.named_modules())
+        self.steps.append(
+            {
+                name: reference_stats(p.grad for p in modules[name].parameters(recurse=False))
+                for name in ("transformer.wte", "transformer.h.0.attn.c_attn", "transformer.ln_f")
+            }
+        )
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
+        if logs and "grad_norm" in logs:
+            self.logs.append(logs)
+
+
+def _train(
+    tmp_path: Path, callback: GradtrackCallback, **options: Any
+) -> tuple[GradientsSeen, Trainer]:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    seen = GradientsSeen()
+    arguments: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"), "max_steps": STEPS,
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": ACCUMULATE,
+        "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "no",
+        "report_to": "none", "use_cpu": True, "disable_tqdm": True, **options,
+    }  # fmt: skip
+    trainer = Trainer(
+        model=model, args=TrainingArguments(**arguments), train_dataset=Tokens(),
+        callbacks=[callback, seen],
+    )  # fmt: skip
+    trainer.train()
+    return seen, trainer
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()
+
+
+def test_records_per_optimizer_step_keyed_by_module_names(tmp_path: Path) -> None:
+    sink = MemorySink()
+    callback = GradtrackCallback(sink, log_every=1, hist_every=None)
+    seen, _ = _train(tmp_path, callback, max_grad_norm=0.0)  # no clipping: same gradients
+
+    assert callback.watcher is not None and callback.watcher.closed
+    names = callback.watcher.layer_names
+    assert "transformer.h.0.attn.c_attn" in names and "transformer.h.1.mlp.c_proj" in names
+    assert "lm_head" not in names  # tied to transformer.wte: counted once, under its owner
+    # A LayerNorm beside a Linear is healthy flow, not a "jump" (compared per element).
+    assert [event.rule for event in sink.events if event.rule == "jump"] == []
+    assert [r.step for r in sink.records] == list(range(STEPS))  # micro-batches don't count
+    for record, expected in zip(sink.records, seen.steps):
+        stats = record.layer_stats()
+        assert set(expected) <= set(stats)
+        picked = type(record)(
+            record.step, record.wall_time, tuple(expected),
+            record.stats[[record.layers.index(name) for name in expected]], record.total_norm,
+        )  # fmt: skip
+        assert_record_matches(picked, expected, rtol=1e-5)
+
+
+def test_gradients_are_seen_before_the_trainer_clips_them(tmp_path: Path) -> None:
+    sink = MemorySink()
+    seen, _ = _train(
+        tmp_path, GradtrackCallback(sink, log_every=1, hist_every=None), max_grad_norm=0.01
+    )
+
+    # The Trainer logs the total norm before clipping; gradtrack's total is that norm,
+    # far above the 0.01 the optimizer was given.
+    logged = [logs["grad_norm"] for logs in seen.logs]
+    assert len(logged) == STEPS
+    totals = [record.total_norm for record in sink.records]
+    assert totals == pytest.approx(logged, rel=1e-5)
+    assert min(totals) > 0.1
+
+
+def test_report_to_wandb_writes_into_the_trainers_run(offline_wandb: Path) -> None:
+    _train(offline_wandb, GradtrackCallback(log_every=2, hist_every=None), report_to="wandb")
+    assert wandb.run is not None  # the Trainer leaves its run open; gradtrack does too
+    wandb.finish()
+    wandb.teardown()
+    (run_dir,) = wandb_records.run_dirs(offline_wandb)
+
+    rows = wandb_records.history(wandb_records.read_records(run_dir))
+    logged = [row for row in rows if "grad_norm/transformer.h.0.attn.c_attn" in row]
+    assert [row["gradtrack/step"] for row in logged] == [0, 2]
+    assert any("train/loss" in row for row in rows)  # the Trainer's own metrics, same run
+
+
+def test_report_to_mlflow_writes_into_the_trainers_run(
+    tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "gradtrack-hf")
+    _train(tmp_path, GradtrackCallback(log_every=1, hist_every=None), report_to="mlflow")
+
+    client = mlflow.MlflowClient(mlflow_server.uri)
+    experiment = client.get_experiment_by_name("gradtrack-hf")
+    assert experiment is not None
+    (run,) = client.search_runs([experiment.experiment_id])
+    history = client.get_metric_history(run.info.run_id, "grad_norm/transformer.ln_f")
+    assert [m.step for m in history] == list(range(STEPS))
+    assert client.get_metric_history(run.info.run_id, "loss")
