@@ -62,6 +62,13 @@ class RankGroup:
         _all_gather_single(out, local.reshape(-1).contiguous(), group=self.group)
         return out.view(self.world_size, *local.shape)
 
+    def broadcast_from_first(self, message: str | None) -> str | None:
+        """The group's first rank's ``message``, on every rank (a raise rule's verdict)."""
+        box = [message]
+        source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=source, group=self.group)
+        return box[0]
+
     def reduce_shards(self, rows: Tensor, tensor_index: np.ndarray, n_tensors: int) -> Tensor:
         """Full-gradient rows from each rank's shard rows (see `stats.tensor_norms`)."""
         local = rows.new_zeros(n_tensors, TENSOR_COLUMNS)

@@ -225,7 +225,28 @@ class Watcher:
         logged, with_samples = self._is_due(step)
         if not (logged or with_samples):
             return
-        activation_order: list[int] | None = None
+        pending = self._collect(step, with_samples, backward_order)
+        if not self._raise_on_alert:
+            if pending is not None:
+                self.mailbox.put_step(pending)
+            return
+        error = self._evaluate_now(pending)
+        if self.ranks is not None:
+            # Every rank stops together, or the others would wait in their next collective.
+            event = None if error is None else error.event
+            shared = self.ranks.broadcast_from_first(
+                None if event is None else event.model_dump_json()  # type: ignore[attr-defined]
+            )
+            if error is None and shared is not None:
+                error = GradientAlertError(AlertEvent.model_validate_json(shared))
+        if error is not None:
+            raise error
+
+    def _collect(
+        self, step: int, with_samples: bool, backward_order: list[int] | None
+    ) -> PendingStep | None:
+        """Launch the step's reductions and its copy to the host; None if this rank hands
+        nothing to a worker (another rank writes, or collecting failed)."""
         try:
             ranks_local = None
             if self._local_probe is not None and self.ranks is not None:
@@ -234,33 +255,32 @@ class Watcher:
                 ranks_local = self.ranks.all_gather(local).reshape(-1)
                 if self.ranks.rank != 0:
                     self._evidence()  # clears the probes; rank 0's evidence is what counts
-                    return
+                    return None
             evidence, activation_order = self._evidence(ranks_local)
             parts = self.collector.collect(with_samples, evidence)
-            if self.ranks is not None and self.ranks.rank != 0:
-                return  # sharded: this rank's shard rows went into rank 0's
         except Exception as exc:  # watching must never crash training
             self.collect_errors += 1
             if self.collect_errors == 1:
                 warnings.warn(
                     f"gradtrack could not collect step {step}: {exc!r}; training goes on",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-            return
-        if not parts:
-            return
-        pending = PendingStep(step, time.time(), parts, backward_order, activation_order)
-        if not self._raise_on_alert:
-            self.mailbox.put_step(pending)
-            return
-        # A "raise" rule must see this step before the optimizer applies it: wait for the worker.
+            return None
+        if not parts or (self.ranks is not None and self.ranks.rank != 0):
+            return None  # (sharded: this rank's shard rows went into rank 0's)
+        return PendingStep(step, time.time(), parts, backward_order, activation_order)
+
+    def _evaluate_now(self, pending: PendingStep | None) -> GradientAlertError | None:
+        """A "raise" rule must see the step before the optimizer applies it: wait for the
+        worker to evaluate it."""
+        if pending is None:
+            return None
         pending.evaluated = threading.Event()
         self.mailbox.put_step(pending, wait_for_room=True)
         pending.evaluated.wait(self.config.flush_timeout_s)
-        if self.alert_error is not None:
-            error, self.alert_error = self.alert_error, None
-            raise error
+        error, self.alert_error = self.alert_error, None
+        return error
 
     def _remember_alert_error(self, event: AlertEvent) -> None:
         if self.alert_error is None:

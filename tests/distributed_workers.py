@@ -91,6 +91,7 @@ def _train(rank: int, case: Case) -> dict[str, Any]:
         **case.options,
     )
     per_step = []
+    raised: list[tuple[int, gradtrack.AlertEvent]] = []
     with watcher:
         for step in range(STEPS):
             x, y = global_batch(step)
@@ -102,7 +103,11 @@ def _train(rank: int, case: Case) -> dict[str, Any]:
             optimizer.zero_grad()
             nn.functional.mse_loss(wrapped(x), y).backward()
             if case.with_optimizer:
-                optimizer.step()
+                try:
+                    optimizer.step()
+                except gradtrack.GradientAlertError as error:
+                    raised.append((step, error.event))
+                    break
             else:
                 with torch.no_grad():
                     for p in wrapped.parameters():
@@ -118,6 +123,7 @@ def _train(rank: int, case: Case) -> dict[str, Any]:
         "events": events,
         "n_sinks": len(watcher.sinks),
         "collectives_per_step": per_step,
+        "raised": raised,
         "layer_names": watcher.layer_names,
     }
 

@@ -105,6 +105,21 @@ def test_ddp_nan_on_one_rank_is_named_in_the_alert(tmp_path: Path) -> None:
     assert rank1["events"] == []  # rank 0 alerts; the others only report to it
 
 
+@pytest.mark.parametrize(("layout", "bad_rank"), [("ddp", 1), ("fsdp2", 0)])
+def test_a_raise_rule_stops_every_rank_at_the_same_step(
+    tmp_path: Path, layout: str, bad_rank: int
+) -> None:
+    raising = {"alerts": {"nonfinite": {"action": "raise"}}}
+    results = _launch(workers.Case(layout, nan_on_rank=bad_rank, options=raising), tmp_path)
+
+    last = workers.STEPS - 1
+    for result in results:  # each rank raised, before its optimizer applied the NaN
+        ((step, event),) = result["raised"]
+        assert (step, event.rule) == (last, "nonfinite")
+        assert event.step == last
+    assert results[0]["raised"][0][1] == results[1]["raised"][0][1]  # rank 0's event
+
+
 def test_ddp_gather_ranks_writes_each_ranks_local_norms(tmp_path: Path) -> None:
     rank0, _ = _launch(workers.Case("ddp", gather_ranks=True), tmp_path)
 
