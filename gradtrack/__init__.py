@@ -61,7 +61,8 @@ def watch(
     if not isinstance(model, torch.nn.Module):
         raise GradtrackError(f"gradtrack.watch needs a torch.nn.Module, not {type(model).__name__}")
     # Under torch.distributed rank 0 writes; the other ranks only help it summarise.
-    sinks = _build_sinks(backend, resolved) if current_rank() == 0 else []
+    writes = current_rank() == 0 or not resolved.distributed.enabled
+    sinks = _build_sinks(backend, resolved) if writes else []
     try:
         return Watcher(
             model, sinks, resolved, optimizer, scaler=scaler, on_alert=on_alert, steps=steps

@@ -43,7 +43,8 @@ class Collector:
         # device without a sync: what accelerators need. None: on every device but the CPU.
         self.foreach_only: bool | None = None
         # Sharded (DTensor) gradients: reduce the local shards, then combine the rows across
-        # ranks with this (see `gradtrack.distributed.RankGroup.reduce_shards`).
+        # ranks with ``reduce_shards`` (see `gradtrack.distributed.RankGroup.reduce_shards`).
+        self.local_shards = False
         self.reduce_shards: Callable[[Tensor, np.ndarray, int], Tensor] | None = None
 
     def collect(self, with_samples: bool, flags: Tensor | None = None) -> list[HostPart]:
@@ -58,7 +59,7 @@ class Collector:
                 grad = param.grad
                 if grad is None or not param.requires_grad:
                     continue
-                if self.reduce_shards is not None:
+                if self.local_shards:
                     grad = grad.to_local()  # type: ignore[attr-defined]
                 if grad.is_sparse:
                     # The dense gradient's statistics: implicit zeros add nothing to the sums.

@@ -84,6 +84,13 @@ class DistributedOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    enabled: bool = Field(
+        True,
+        description="Coordinate the ranks of an initialised torch.distributed job (rank 0 "
+        "writes). False: every rank watches on its own, writes to its own sinks and issues no "
+        "collective (pipeline stages, a different model per rank); sharded gradients are then "
+        "summarised per local shard.",
+    )
     gather_ranks: bool = Field(
         False,
         description="Also write each rank's local gradient norm per layer, before the "

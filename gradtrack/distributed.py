@@ -43,7 +43,7 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _is_dtensor(tensor: Tensor) -> bool:
+def is_dtensor(tensor: Tensor) -> bool:
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
 
 
@@ -86,7 +86,7 @@ def rank_group(model: nn.Module, params: list[nn.Parameter]) -> RankGroup | None
     """How ``model`` is trained across processes; None in a single process."""
     if not _initialized():
         return None
-    sharded = [p for p in params if _is_dtensor(p)]
+    sharded = [p for p in params if is_dtensor(p)]
     if sharded:
         meshes: list[Any] = []  # each fully_shard call makes its own (equal) mesh object
         for param in sharded:

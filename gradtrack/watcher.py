@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -21,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
-from gradtrack.distributed import LocalNormProbe, RankGroup, rank_group
+from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_group
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.layers import activation_modules, discover_layers, unwrap_model
@@ -65,15 +66,21 @@ class Watcher:
         self.config = config
         self.layers = discover_layers(inner, config)
         self.collector = Collector(self.layers, config.hist_sample_size, config.seed)
-        self.ranks: RankGroup | None = rank_group(model, self.collector.params)
+        self.collector.local_shards = any(is_dtensor(p) for p in self.collector.params)
+        self.ranks: RankGroup | None = None
+        if config.distributed.enabled:
+            self.ranks = rank_group(model, self.collector.params)
         rank = 0 if self.ranks is None else self.ranks.rank
+        if self.collector.local_shards and optimizer is None and scaler is None:
+            raise GradtrackError(
+                "watching a sharded (FSDP2) model needs optimizer= (or scaler=): its "
+                "gradients are complete only once backward has reduce-scattered them"
+            )
         if self.ranks is not None and self.ranks.layout == "sharded":
-            if optimizer is None and scaler is None:
-                raise GradtrackError(
-                    "watching a sharded (FSDP2) model needs optimizer= (or scaler=): its "
-                    "gradients are complete only once backward has reduce-scattered them"
-                )
             self.collector.reduce_shards = self.ranks.reduce_shards
+        elif self.collector.local_shards:  # each rank on its own: statistics of its shards
+            local = [p.to_local() for p in self.collector.params]  # type: ignore[attr-defined]
+            self.collector.tensor_numel = np.array([t.numel() for t in local], dtype=np.int64)
         if rank != 0:
             sinks = []  # rank 0 writes; the others take part in the logged steps' collective
         self.mailbox = Mailbox(config.queue_size, config.queue_full)

@@ -80,6 +80,8 @@ def _train(rank: int, case: Case) -> dict[str, Any]:
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     collectives = _count_collectives()
     events: list[gradtrack.AlertEvent] = []
+    options = dict(case.options)
+    distributed = {"gather_ranks": case.gather_ranks, **options.pop("distributed", {})}
     watcher = gradtrack.watch(
         wrapped,
         backend="memory",
@@ -87,8 +89,8 @@ def _train(rank: int, case: Case) -> dict[str, Any]:
         log_every=LOG_EVERY,
         hist_every=None,
         on_alert=events.append,
-        distributed={"gather_ranks": case.gather_ranks},
-        **case.options,
+        distributed=distributed,
+        **options,
     )
     per_step = []
     raised: list[tuple[int, gradtrack.AlertEvent]] = []

@@ -91,6 +91,18 @@ def test_ddp_rank0_writes_the_synchronized_gradient(tmp_path: Path, with_optimiz
     assert rank0["collectives_per_step"] == rank1["collectives_per_step"] == logged
 
 
+def test_ranks_left_uncoordinated_each_write_with_no_collective(tmp_path: Path) -> None:
+    case = workers.Case("ddp", options={"distributed": {"enabled": False}})
+    results = _launch(case, tmp_path)
+
+    for result in results:  # both ranks write the (same) synchronized gradient
+        assert result["n_sinks"] == 1
+        assert result["collectives_per_step"] == [0] * workers.STEPS
+        for record, expected in zip(result["records"], _reference()):
+            assert_record_matches(record, expected, rtol=1e-5)
+            assert record.nonfinite_ranks is None
+
+
 def test_ddp_nan_on_one_rank_is_named_in_the_alert(tmp_path: Path) -> None:
     rank0, rank1 = _launch(workers.Case("ddp", nan_on_rank=1), tmp_path)
 

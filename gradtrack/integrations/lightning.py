@@ -67,7 +67,7 @@ class GradtrackCallback(Callback):
         if self.watcher is not None:
             self.watcher.close()
         sinks: list[GradientSink] = []
-        if trainer.global_rank == 0:  # the other ranks only help rank 0 summarise
+        if trainer.global_rank == 0 or not self.config.distributed.enabled:
             backend = self.backend if self.backend is not None else _sinks_of(trainer, self.config)
             sinks = _build_sinks(backend, self.config)
         scaler = getattr(trainer.precision_plugin, "scaler", None)

@@ -74,7 +74,7 @@ class GradtrackCallback(TrainerCallback):
             raise GradtrackError("the Trainer gave GradtrackCallback no model")
         self._close()
         sinks: list[GradientSink] = []
-        if state.is_world_process_zero:
+        if state.is_world_process_zero or not self.config.distributed.enabled:
             sinks = _build_sinks(self.backend or _sinks_of(args), self.config)
         # An AcceleratedOptimizer carries the fp16 GradScaler, if any.
         scaler = getattr(optimizer, "scaler", None)
