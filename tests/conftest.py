@@ -91,6 +91,21 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     server.stop()
 
 
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """W&B in offline mode writing under ``tmp_path`` (also the working directory); the run
+    left open by the test is finished and W&B's service torn down afterwards."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()
+
+
 def watch_without(module: str) -> str:
     """What ``gradtrack.watch(backend=module)`` says in a fresh process where ``module`` is not
     importable (a real interpreter, with the package hidden from the import system)."""

@@ -14,16 +14,13 @@ an ``MLFlowLogger`` → its MLflow run, otherwise the console.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-from gradtrack.alerts import AlertEvent
-from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
+from gradtrack.integrations._options import CallbackOptions
 from gradtrack.sinks.base import GradientSink
-from gradtrack.watcher import Watcher
 
 if importlib.util.find_spec("lightning") is not None:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -40,43 +37,20 @@ else:
     )
 
 
-class GradtrackCallback(Callback):
+class GradtrackCallback(CallbackOptions, Callback):
     """Watch the LightningModule's gradients while ``trainer.fit`` runs.
 
     ``backend``, ``config``, ``on_alert`` and keyword ``overrides`` mean what they mean in
     `gradtrack.watch`. The watcher is ``self.watcher`` during fit, closed when fit ends.
     """
 
-    def __init__(
-        self,
-        backend: str | GradientSink | Sequence[str | GradientSink] | None = None,
-        config: ConfigSource = None,
-        *,
-        on_alert: Callable[[AlertEvent], None] | None = None,
-        **overrides: Any,
-    ) -> None:
-        self.backend = backend
-        self.config: GradtrackConfig = load_config(config, overrides)  # bad options fail now
-        self.on_alert = on_alert
-        self.watcher: Watcher | None = None
-        self._overrides = overrides
-
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from gradtrack import _build_sinks
-
-        if self.watcher is not None:
-            self.watcher.close()
-        sinks: list[GradientSink] = []
-        if trainer.global_rank == 0 or not self.config.distributed.enabled:
-            backend = self.backend if self.backend is not None else _sinks_of(trainer, self.config)
-            sinks = _build_sinks(backend, self.config)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.watcher = Watcher(
+        self._open(
             pl_module,
-            sinks,
-            self.config,
+            writes=trainer.global_rank == 0,
+            default_backend=lambda: _sinks_of(trainer, self.config),
             scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
-            on_alert=self.on_alert,
             steps="manual",
         )
 
@@ -93,14 +67,6 @@ class GradtrackCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
         self._close()
-
-    def _close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.close()
-
-    def __repr__(self) -> str:
-        options = " ".join(f"{key}={value!r}" for key, value in self._overrides.items())
-        return f"<GradtrackCallback{' ' + options if options else ''}>"
 
 
 def _sinks_of(trainer: Trainer, config: GradtrackConfig) -> list[str | GradientSink]:

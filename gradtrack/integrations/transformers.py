@@ -17,16 +17,13 @@ run, ``"mlflow"`` → its MLflow run, otherwise the console.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gradtrack.alerts import AlertEvent
-from gradtrack.config import ConfigSource, GradtrackConfig, load_config
 from gradtrack.errors import GradtrackError
-from gradtrack.sinks.base import GradientSink
-from gradtrack.watcher import StepSource, Watcher
+from gradtrack.integrations._options import CallbackOptions
 
 if importlib.util.find_spec("transformers") is None:
     raise GradtrackError(
@@ -35,29 +32,13 @@ if importlib.util.find_spec("transformers") is None:
     )
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-Backend = str | GradientSink | Sequence[str | GradientSink]
 
-
-class GradtrackCallback(TrainerCallback):
+class GradtrackCallback(CallbackOptions, TrainerCallback):
     """Watch the Trainer's model from ``on_train_begin`` to ``on_train_end``.
 
     ``backend``, ``config``, ``on_alert`` and keyword ``overrides`` mean what they mean in
     `gradtrack.watch`. The watcher is ``self.watcher`` while training runs.
     """
-
-    def __init__(
-        self,
-        backend: Backend | None = None,
-        config: ConfigSource = None,
-        *,
-        on_alert: Callable[[AlertEvent], None] | None = None,
-        **overrides: Any,
-    ) -> None:
-        self.backend = backend
-        self.config: GradtrackConfig = load_config(config, overrides)  # bad options fail now
-        self.on_alert = on_alert
-        self.watcher: Watcher | None = None
-        self._overrides = overrides
 
     def on_train_begin(
         self,
@@ -68,35 +49,24 @@ class GradtrackCallback(TrainerCallback):
         optimizer: Any = None,
         **kwargs: Any,
     ) -> None:
-        from gradtrack import _build_sinks
-
         if model is None:
             raise GradtrackError("the Trainer gave GradtrackCallback no model")
-        self._close()
-        sinks: list[GradientSink] = []
-        if state.is_world_process_zero or not self.config.distributed.enabled:
-            sinks = _build_sinks(self.backend or _sinks_of(args), self.config)
         # An AcceleratedOptimizer carries the fp16 GradScaler, if any.
         scaler = getattr(optimizer, "scaler", None)
         if not (isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()):
             scaler = None
-        steps: StepSource = "auto" if scaler is not None else _last_micro_batch()
-        self.watcher = Watcher(
-            model, sinks, self.config, scaler=scaler, on_alert=self.on_alert, steps=steps
+        self._open(
+            model,
+            writes=state.is_world_process_zero,
+            default_backend=lambda: _sinks_of(args),
+            scaler=scaler,
+            steps="auto" if scaler is not None else _last_micro_batch(),
         )
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._close()
-
-    def _close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.close()
-
-    def __repr__(self) -> str:
-        options = " ".join(f"{key}={value!r}" for key, value in self._overrides.items())
-        return f"<GradtrackCallback{' ' + options if options else ''}>"
 
 
 def _last_micro_batch() -> Callable[[], bool]:

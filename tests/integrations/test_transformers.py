@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +86,6 @@ def _train(
     )  # fmt: skip
     trainer.train()
     return seen, trainer
-
-
-@pytest.fixture
-def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    yield tmp_path
-    if wandb.run is not None:
-        wandb.run.finish()
-    wandb.teardown()
 
 
 def test_records_per_optimizer_step_keyed_by_module_names(tmp_path: Path) -> None:

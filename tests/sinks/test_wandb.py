@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +22,8 @@ wandb = pytest.importorskip("wandb")
 
 
 @pytest.fixture(autouse=True)
-def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    yield tmp_path
-    if wandb.run is not None:
-        wandb.run.finish()
-    wandb.teardown()
+def offline(offline_wandb: Path) -> Path:
+    return offline_wandb
 
 
 def wandb_options(tmp_path: Path, **more: Any) -> dict[str, Any]:

@@ -1,0 +1,62 @@
+"""What both framework callbacks share: their options and the watcher they open and close."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.sinks.base import GradientSink
+from gradtrack.watcher import StepSource, Watcher
+
+Backend = str | GradientSink | Sequence[str | GradientSink]
+
+
+class CallbackOptions:
+    """``backend``, ``config``, ``on_alert`` and keyword ``overrides`` mean what they mean in
+    `gradtrack.watch`; invalid options fail when the callback is made, not mid-training."""
+
+    def __init__(
+        self,
+        backend: Backend | None = None,
+        config: ConfigSource = None,
+        *,
+        on_alert: Callable[[AlertEvent], None] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.backend = backend
+        self.config: GradtrackConfig = load_config(config, overrides)
+        self.on_alert = on_alert
+        self.watcher: Watcher | None = None
+        self._overrides = overrides
+
+    def _open(
+        self,
+        model: torch.nn.Module,
+        writes: bool,
+        default_backend: Callable[[], Backend],
+        scaler: torch.amp.GradScaler | None,
+        steps: StepSource,
+    ) -> None:
+        """Watch ``model``; sinks only where ``writes`` (rank 0, unless ranks are left
+        uncoordinated), from ``backend`` or else ``default_backend()``."""
+        from gradtrack import _build_sinks
+
+        self._close()
+        sinks: list[GradientSink] = []
+        if writes or not self.config.distributed.enabled:
+            sinks = _build_sinks(self.backend or default_backend(), self.config)
+        self.watcher = Watcher(
+            model, sinks, self.config, scaler=scaler, on_alert=self.on_alert, steps=steps
+        )
+
+    def _close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+
+    def __repr__(self) -> str:
+        options = " ".join(f"{key}={value!r}" for key, value in self._overrides.items())
+        return f"<{type(self).__name__}{' ' + options if options else ''}>"
