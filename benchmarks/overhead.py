@@ -92,6 +92,7 @@ def gradtrack_variant(backend: Any = None, **options: Any) -> Setup:
             model, backend=backend if backend is not None else MemorySink(), optimizer=optimizer,
             **options,
         )  # fmt: skip
+
         def flush() -> None:
             watcher.flush()
 
