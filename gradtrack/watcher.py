@@ -71,10 +71,12 @@ class Watcher:
         if config.distributed.enabled:
             self.ranks = rank_group(model, self.collector.params)
         rank = 0 if self.ranks is None else self.ranks.rank
-        if self.collector.local_shards and optimizer is None and scaler is None:
+        ends_steps = optimizer is not None or scaler is not None or steps == "manual"
+        if self.collector.local_shards and not ends_steps:
             raise GradtrackError(
-                "watching a sharded (FSDP2) model needs optimizer= (or scaler=): its "
-                "gradients are complete only once backward has reduce-scattered them"
+                "watching a sharded (FSDP2) model needs optimizer= (or scaler=, or "
+                "steps='manual'): its gradients are complete only once backward has "
+                "reduce-scattered them"
             )
         if self.ranks is not None and self.ranks.layout == "sharded":
             self.collector.reduce_shards = self.ranks.reduce_shards

@@ -181,3 +181,8 @@ def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "grad/total_norm" in result.stdout or "total" in result.stdout, result.stdout[-2000:]
     assert "rank 1" not in result.stdout  # one table, from rank 0
+
+
+def test_fsdp2_without_a_step_boundary_is_refused_clearly(tmp_path: Path) -> None:
+    with pytest.raises(mp.ProcessRaisedException, match="needs optimizer="):
+        _launch(workers.Case("fsdp2", with_optimizer=False), tmp_path)

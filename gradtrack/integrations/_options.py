@@ -40,9 +40,11 @@ class CallbackOptions:
         default_backend: Callable[[], Backend],
         scaler: torch.amp.GradScaler | None,
         steps: StepSource,
+        first_step: int,
     ) -> None:
         """Watch ``model``; sinks only where ``writes`` (rank 0, unless ranks are left
-        uncoordinated), from ``backend`` or else ``default_backend()``."""
+        uncoordinated), from ``backend`` or else ``default_backend()``. Steps count from the
+        trainer's own optimizer-step count, so a resumed run continues its step axis."""
         from gradtrack import _build_sinks
 
         self._close()
@@ -52,6 +54,7 @@ class CallbackOptions:
         self.watcher = Watcher(
             model, sinks, self.config, scaler=scaler, on_alert=self.on_alert, steps=steps
         )
+        self.watcher.step = first_step
 
     def _close(self) -> None:
         if self.watcher is not None:

@@ -38,13 +38,15 @@ else:
 
 
 class GradtrackCallback(CallbackOptions, Callback):
-    """Watch the LightningModule's gradients while ``trainer.fit`` runs.
+    """Watch the LightningModule's gradients while ``trainer.fit`` trains.
 
     ``backend``, ``config``, ``on_alert`` and keyword ``overrides`` mean what they mean in
-    `gradtrack.watch`. The watcher is ``self.watcher`` during fit, closed when fit ends.
+    `gradtrack.watch`. The watcher is ``self.watcher`` from ``on_train_start`` (steps continue
+    a resumed run's ``global_step``) until training ends.
     """
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After a checkpoint's state is restored: global_step is the resumed one.
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._open(
             pl_module,
@@ -52,6 +54,7 @@ class GradtrackCallback(CallbackOptions, Callback):
             default_backend=lambda: _sinks_of(trainer, self.config),
             scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
             steps="manual",
+            first_step=trainer.global_step,
         )
 
     def on_before_optimizer_step(
@@ -60,7 +63,7 @@ class GradtrackCallback(CallbackOptions, Callback):
         if self.watcher is not None:
             self.watcher.end_step()
 
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close()
 
     def on_exception(

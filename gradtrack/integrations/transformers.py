@@ -61,6 +61,7 @@ class GradtrackCallback(CallbackOptions, TrainerCallback):
             default_backend=lambda: _sinks_of(args),
             scaler=scaler,
             steps="auto" if scaler is not None else _last_micro_batch(),
+            first_step=state.global_step,
         )
 
     def on_train_end(

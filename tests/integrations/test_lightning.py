@@ -161,3 +161,20 @@ def test_lightning_ddp_two_processes_rank0_writes_synchronized_gradients(tmp_pat
         assert record.nonfinite_ranks == ()  # both ranks' local norms reached rank 0
     # DDP averaged the two ranks' different batches: rank 1 saw the same gradients.
     assert ranks[0]["seen"] == ranks[1]["seen"]
+
+
+def test_a_resumed_fit_continues_the_trainers_step_axis(tmp_path: Path) -> None:
+    _fit(GradtrackCallback(MemorySink()), enable_checkpointing=True,
+         default_root_dir=str(tmp_path))  # fmt: skip
+    (saved,) = tmp_path.rglob("*.ckpt")
+    checkpoint = saved.rename(tmp_path / "resume.ckpt")  # an empty checkpoints/ for the next fit
+
+    sink = MemorySink()
+    torch.manual_seed(0)
+    Trainer(
+        accelerator="cpu", max_steps=BATCHES + 4, logger=False, default_root_dir=str(tmp_path),
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[GradtrackCallback(sink, log_every=1, hist_every=None)],
+    ).fit(TinyRegressor(), _loader(), ckpt_path=str(checkpoint))  # fmt: skip
+    # One epoch (12 steps) was done: the resumed fit's records continue at step 12.
+    assert [r.step for r in sink.records] == list(range(BATCHES, BATCHES + 4))

@@ -68,7 +68,10 @@ class GradientsSeen(TrainerCallback):  # type: ignore[misc]
 
 
 def _train(
-    tmp_path: Path, callback: GradtrackCallback, **options: Any
+    tmp_path: Path,
+    callback: GradtrackCallback,
+    resume_from_checkpoint: str | None = None,
+    **options: Any,
 ) -> tuple[GradientsSeen, Trainer]:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2)
@@ -84,7 +87,7 @@ def _train(
         model=model, args=TrainingArguments(**arguments), train_dataset=Tokens(),
         callbacks=[callback, seen],
     )  # fmt: skip
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return seen, trainer
 
 
@@ -152,3 +155,16 @@ def test_report_to_mlflow_writes_into_the_trainers_run(
     history = client.get_metric_history(run.info.run_id, "grad_norm/transformer.ln_f")
     assert [m.step for m in history] == list(range(STEPS))
     assert client.get_metric_history(run.info.run_id, "loss")
+
+
+def test_a_resumed_run_continues_the_trainers_step_axis(tmp_path: Path) -> None:
+    _train(tmp_path, GradtrackCallback(MemorySink()), save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert checkpoint.is_dir()
+
+    sink = MemorySink()
+    _train(
+        tmp_path, GradtrackCallback(sink, log_every=1, hist_every=None),
+        resume_from_checkpoint=str(checkpoint),
+    )  # fmt: skip
+    assert [r.step for r in sink.records] == [2, 3]  # global steps 2 and 3, not 0 and 1
