@@ -139,6 +139,12 @@ class GradtrackConfig(BaseModel):
         5.0, ge=0, description="The console sink prints a table at most this often."
     )
     seed: int = Field(0, description="Seed of gradtrack's own sampling generator.")
+    layer_metrics: tuple[Literal["norm", "max_abs", "mean_abs", "rms"], ...] = Field(
+        ("norm", "max_abs", "mean_abs", "rms"),
+        description="Per-layer statistics written as metrics (grad_norm/, grad_max/, "
+        "grad_mean_abs/, grad_rms/); fewer keys per step for very deep models on slow stores "
+        "(empty: only the grad/ totals). All are still computed for alerts and the console.",
+    )
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."
     )
@@ -154,7 +160,7 @@ class GradtrackConfig(BaseModel):
         default_factory=DistributedOptions, description="torch.distributed options."
     )
 
-    @field_validator("include", "exclude", mode="before")
+    @field_validator("include", "exclude", "layer_metrics", mode="before")
     @classmethod
     def _one_pattern_is_a_list(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value

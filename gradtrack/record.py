@@ -74,6 +74,8 @@ class StepRecord:
     # the all-reduce) was non-finite; with ``gather_ranks``, [ranks, layers] local norms.
     nonfinite_ranks: tuple[int, ...] | None = None
     rank_grad_norms: np.ndarray | None = None
+    # The per-layer statistics sinks write as metrics (``layer_metrics`` in the config).
+    layer_metrics: tuple[str, ...] = tuple(LAYER_KEY_PREFIX)
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -156,7 +158,8 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     if extremes is not None:
         metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]
         metrics[metric_key("grad", "max_layer_norm", model)] = extremes[1][1]
-    for stat, prefix in LAYER_KEY_PREFIX.items():
+    for stat in record.layer_metrics:
+        prefix = LAYER_KEY_PREFIX[stat]
         for layer, value in zip(record.layers, record.column(stat).tolist()):
             metrics[metric_key(prefix, layer, model)] = value
     for stat, prefix in NONFINITE_KEY_PREFIX.items():

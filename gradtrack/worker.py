@@ -135,6 +135,7 @@ class Worker:
         self._on_raise = on_raise
         self._activation_names = tuple(activation_names)
         self._model_name = config.model_name
+        self._layer_metrics = tuple(config.layer_metrics)
         self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
         self._gather_ranks = config.distributed.gather_ranks
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
@@ -239,6 +240,7 @@ class Worker:
             total_norm=total_norm,
             histograms=self._histograms(pending.parts),
             model_name=self._model_name,
+            layer_metrics=self._layer_metrics,
             **_evidence(flags[:5]),
             **self._activations(activation_flags, pending.activation_order or []),
             **self._ranks(flags[5 + n_activations :], layers),

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 import gradtrack
 from gradtrack.config import GradtrackConfig, load_config
 from gradtrack.errors import GradtrackConfigError
+from gradtrack.sinks.memory import MemorySink
 
 
 def test_defaults() -> None:
@@ -139,3 +141,17 @@ def test_config_file_problems(tmp_path: Path) -> None:
     (tmp_path / "typo.toml").write_text("hist_evry = 3\n")
     with pytest.raises(GradtrackConfigError, match=r"hist_evry.*from file .*typo.toml"):
         load_config(tmp_path / "typo.toml", environ={})
+
+
+def test_layer_metrics_choose_the_per_layer_keys_and_name_the_allowed_values() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    with gradtrack.watch(model, "memory", log_every=1, layer_metrics=["norm", "rms"]) as watcher:
+        model(torch.randn(2, 3)).sum().backward()
+    sink = watcher.sinks[0]
+    assert isinstance(sink, MemorySink)
+    per_layer = {key.split("/")[0] for key in sink.scalars() if not key.startswith("grad/")}
+    assert per_layer == {"grad_norm", "grad_rms"}
+    assert sink.records[0].column("max_abs").all()  # still computed, just not written
+
+    with pytest.raises(GradtrackConfigError, match="'norm', 'max_abs', 'mean_abs' or 'rms'"):
+        gradtrack.watch(model, "memory", layer_metrics="median")
