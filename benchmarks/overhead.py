@@ -16,7 +16,8 @@ to ``base``:
 - wandb.watch: ``wandb.watch(model, log="gradients", log_freq=1)``, offline, plus the
   ``run.log`` per step that commits what it staged;
 - gradtrack summaries / + histograms every step (memory sink), gradtrack defaults with the
-  MLflow sink (local sqlite), gradtrack with ``activations=True`` (every step).
+  MLflow sink (local sqlite), also with one key per layer (``layer_metrics=["norm"]``),
+  gradtrack with ``activations=True`` (every step).
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ VARIANTS: dict[str, Setup] = {
     "summaries": gradtrack_variant(log_every=1, hist_every=None),
     "+histograms": gradtrack_variant(log_every=1, hist_every=1),
     "defaults+mlflow": gradtrack_variant(backend="mlflow"),
+    "defaults+mlflow,norms": gradtrack_variant(backend="mlflow", layer_metrics=("norm",)),
     "activations": gradtrack_variant(log_every=1, hist_every=None, activations=True),
 }
 

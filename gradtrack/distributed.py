@@ -30,8 +30,6 @@ from gradtrack.errors import GradtrackError
 from gradtrack.stats import L2, LINF, TENSOR_COLUMNS
 
 Layout = Literal["replicated", "sharded"]
-# Renamed in torch 2.13 (the old name warns); the flat, concatenated form works in both.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def current_rank() -> int:
@@ -59,7 +57,9 @@ class RankGroup:
     def all_gather(self, local: Tensor) -> Tensor:
         """[world_size, *local.shape]: every rank's ``local``, in rank order (one collective)."""
         out = local.new_empty(self.world_size * local.numel())
-        _all_gather_single(out, local.reshape(-1).contiguous(), group=self.group)
+        # Renamed in torch 2.13 (the old name warns); the flat, concatenated form suits both.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local.reshape(-1).contiguous(), group=self.group)
         return out.view(self.world_size, *local.shape)
 
     def broadcast_from_first(self, message: str | None) -> str | None:
