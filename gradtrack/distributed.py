@@ -86,7 +86,6 @@ class RankGroup:
         full[:, LINF] = gathered[:, :, LINF].amax(dim=0)  # NaN anywhere stays NaN
         return full[index]
 
-
     def _on_device(self, tensor_index: np.ndarray, device: torch.device) -> Tensor:
         key = (device, tensor_index.tobytes())
         if key not in self._indices:

@@ -111,6 +111,7 @@ class Watcher:
         self._order_probe: BackwardOrderProbe | None = None
         self._activation_probe: ActivationProbe | None = None
         self._local_probe: LocalNormProbe | None = None
+        self._warned_no_activations = False
         self._steps = steps
         try:
             self._attach(model, optimizer, scaler, [module for _, module in watched_outputs])
@@ -317,6 +318,15 @@ class Watcher:
         if self._activation_probe is not None:
             norms, order = self._activation_probe.take()
             values.extend(norms)
+            if not order and not self._warned_no_activations:
+                self._warned_no_activations = True
+                warnings.warn(
+                    "activations=True saw no activation gradient this step: forward hooks do "
+                    "not run inside a graph compiled after gradtrack.watch (compile first, "
+                    "then watch), or the step had no backward through the watched modules",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
         known = [v for v in values if v is not None]
         if ranks_local is not None:
             known.append(ranks_local)

@@ -99,3 +99,20 @@ def test_compiled_and_plain_model_are_one_watch() -> None:
         with pytest.raises(gradtrack.GradtrackError, match="already watched"):
             gradtrack.watch(model, backend="memory")
     assert watcher_of(model) is None
+
+
+def test_activations_lost_to_a_later_compile_are_warned_about_once() -> None:
+    torch._dynamo.reset()
+    model = _model()
+    x = torch.randn(4, 8)
+    with gradtrack.watch(model, backend="memory", log_every=1, activations=True) as watcher:
+        model(x).sum().backward()  # eager: activation gradients arrive
+        compiled = torch.compile(model)
+        with pytest.warns(RuntimeWarning, match="compiled after gradtrack.watch"):
+            compiled(x).sum().backward()
+        compiled(x).sum().backward()  # only once
+    sink = watcher.sinks[0]
+    assert isinstance(sink, MemorySink)
+    assert sink.records[0].activation_grad_norms
+    assert not sink.records[1].activation_grad_norms
+    assert len(sink.records) == 3
