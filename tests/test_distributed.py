@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,21 +23,16 @@ from torch import nn
 from gradtrack.record import scalar_metrics
 from tests import distributed_workers as workers
 from tests.conftest import assert_record_matches, reference_stats
+from tests.sinks.mlflow_server import free_port
 
 LAYERS = ("0", "2", "4")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(case: workers.Case, tmp_path: Path) -> list[dict[str, Any]]:
     mp.start_processes(
         workers.run,
-        args=(case, _free_port(), tmp_path),
+        args=(case, free_port(), tmp_path),
         nprocs=workers.RANKS,
         start_method="spawn",
     )
@@ -174,7 +168,7 @@ def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
          str(ROOT / "examples" / "ddp.py"), "--steps", "30", "--backend", "console"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

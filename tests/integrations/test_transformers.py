@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ from gradtrack.integrations.transformers import GradtrackCallback
 from gradtrack.sinks.memory import MemorySink
 from tests.conftest import assert_record_matches, reference_stats
 from tests.sinks import wandb_records
-from tests.sinks.mlflow_server import MlflowServer
+from tests.sinks.mlflow_server import MlflowServer, free_port
 
 STEPS = 4
 ACCUMULATE = 2
@@ -168,3 +172,26 @@ def test_a_resumed_run_continues_the_trainers_step_axis(tmp_path: Path) -> None:
         resume_from_checkpoint=str(checkpoint),
     )  # fmt: skip
     assert [r.step for r in sink.records] == [2, 3]  # global steps 2 and 3, not 0 and 1
+
+
+def test_trainer_ddp_under_torchrun_rank0_writes_synchronized_gradients(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = str(free_port())
+    result = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "--master_port", port,
+         str(Path(__file__).with_name("hf_ddp.py")), str(tmp_path)],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+
+    assert [rank["n_sinks"] for rank in ranks] == [1, 0]
+    records = ranks[0]["records"]
+    assert [r.step for r in records] == list(range(STEPS))
+    for record, expected in zip(records, ranks[0]["seen"]):
+        assert record.nonfinite_ranks == ()  # both ranks' local norms reached rank 0
+        for layer, stats in expected.items():
+            assert record.layer_stats()[layer].norm == pytest.approx(stats["norm"], rel=1e-6)
+    assert ranks[0]["seen"] == ranks[1]["seen"]  # the all-reduced gradient, same on both
