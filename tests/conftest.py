@@ -109,21 +109,34 @@ def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
 def watch_without(module: str) -> str:
     """What ``gradtrack.watch(backend=module)`` says in a fresh process where ``module`` is not
     importable (a real interpreter, with the package hidden from the import system)."""
-    code = textwrap.dedent(
+    return run_without(
+        [module],
         f"""
-        import importlib.util, sys
-        real = importlib.util.find_spec
-        importlib.util.find_spec = lambda n, p=None: None if n == {module!r} else real(n, p)
-        sys.modules[{module!r}] = None
         import torch, gradtrack
         try:
             gradtrack.watch(torch.nn.Linear(2, 2), backend={module!r})
         except gradtrack.GradtrackError as error:
             print(error)
+        """,
+    )
+
+
+def run_without(modules: list[str], code: str) -> str:
+    """The output of ``code`` run in a fresh interpreter where ``modules`` are hidden from the
+    import system (not installed, as far as the code can tell)."""
+    hide = textwrap.dedent(
+        f"""
+        import importlib.util, sys
+        real = importlib.util.find_spec
+        hidden = {modules!r}
+        importlib.util.find_spec = lambda n, p=None: None if n in hidden else real(n, p)
+        for name in hidden:
+            sys.modules[name] = None
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-c", hide + textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout

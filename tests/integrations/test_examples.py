@@ -1,4 +1,5 @@
-"""The integration examples run as a user runs them (few steps), and print gradtrack's table."""
+"""The integration examples run as a user runs them (few steps); without their framework the
+integrations say what to install."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_without
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,3 +25,26 @@ def test_example_runs(script: str, layer: str, tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gradtrack step 10" in result.stdout and layer in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "hidden", "extra"),
+    [
+        ("lightning", ["lightning", "pytorch_lightning"], "gradtrack[lightning]"),
+        ("transformers", ["transformers"], "gradtrack[transformers]"),
+    ],
+)
+def test_a_missing_framework_names_the_extra_to_install(
+    module: str, hidden: list[str], extra: str
+) -> None:
+    said = run_without(
+        hidden,
+        f"""
+        import gradtrack
+        try:
+            import gradtrack.integrations.{module}
+        except gradtrack.GradtrackError as error:
+            print(error)
+        """,
+    )
+    assert f"pip install {extra}" in said
