@@ -79,7 +79,7 @@ def test_statistics_match_reference_per_dtype(
 
 @pytest.mark.parametrize("strategy", COUNT_STRATEGIES)
 def test_large_and_small_tensors_together(strategy: str) -> None:
-    # On CPU, tensors of 2^16 elements and more take another path than the small ones.
+    # On CPU, tensors of PACK_BELOW_ELEMENTS and more take another path than the small ones.
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, 2)
