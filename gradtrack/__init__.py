@@ -17,7 +17,7 @@ import torch
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
-from gradtrack.distributed import current_rank
+from gradtrack.distributed import writes_to_sinks
 from gradtrack.errors import GradientAlertError, GradtrackConfigError, GradtrackError
 from gradtrack.histogram import Histogram
 from gradtrack.record import LayerStats, StepRecord
@@ -60,13 +60,23 @@ def watch(
     resolved = load_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
         raise GradtrackError(f"gradtrack.watch needs a torch.nn.Module, not {type(model).__name__}")
-    # Under torch.distributed rank 0 writes; the other ranks only help it summarise.
-    writes = current_rank() == 0 or not resolved.distributed.enabled
-    sinks = _build_sinks(backend, resolved) if writes else []
+    return _open_watcher(
+        model, lambda: backend, resolved,
+        optimizer=optimizer, scaler=scaler, on_alert=on_alert, steps=steps,
+    )  # fmt: skip
+
+
+def _open_watcher(
+    model: torch.nn.Module,
+    backend: Callable[[], Backend | Sequence[Backend]],
+    config: GradtrackConfig,
+    **options: Any,
+) -> Watcher:
+    """Sinks from ``backend()`` where this process writes (see `writes_to_sinks`), then the
+    `Watcher`; if that fails, the sinks it would have used are closed."""
+    sinks = _build_sinks(backend(), config) if writes_to_sinks(config) else []
     try:
-        return Watcher(
-            model, sinks, resolved, optimizer, scaler=scaler, on_alert=on_alert, steps=steps
-        )
+        return Watcher(model, sinks, config, **options)
     except BaseException:
         for sink in sinks:
             sink.close()

@@ -26,15 +26,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.stats import L2, LINF, TENSOR_COLUMNS
 
 Layout = Literal["replicated", "sharded"]
 
 
-def current_rank() -> int:
-    """This process's rank in the default group, 0 outside torch.distributed."""
-    return dist.get_rank() if _initialized() else 0
+def writes_to_sinks(config: GradtrackConfig) -> bool:
+    """Whether this process has sinks: rank 0 of a coordinated job, every rank otherwise
+    (the other ranks only help rank 0 summarise)."""
+    return not config.distributed.enabled or not _initialized() or dist.get_rank() == 0
 
 
 def _initialized() -> bool:

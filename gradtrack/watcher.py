@@ -83,8 +83,6 @@ class Watcher:
         elif self.collector.local_shards:  # each rank on its own: statistics of its shards
             local = [p.to_local() for p in self.collector.params]  # type: ignore[attr-defined]
             self.collector.tensor_numel = np.array([t.numel() for t in local], dtype=np.int64)
-        if rank != 0:
-            sinks = []  # rank 0 writes; the others take part in the logged steps' collective
         self.mailbox = Mailbox(config.queue_size, config.queue_full)
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)

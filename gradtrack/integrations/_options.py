@@ -36,24 +36,21 @@ class CallbackOptions:
     def _open(
         self,
         model: torch.nn.Module,
-        writes: bool,
         default_backend: Callable[[], Backend],
         scaler: torch.amp.GradScaler | None,
         steps: StepSource,
         first_step: int,
     ) -> None:
-        """Watch ``model``; sinks only where ``writes`` (rank 0, unless ranks are left
-        uncoordinated), from ``backend`` or else ``default_backend()``. Steps count from the
-        trainer's own optimizer-step count, so a resumed run continues its step axis."""
-        from gradtrack import _build_sinks
+        """Watch ``model`` with ``backend``, or else ``default_backend()`` (asked only where
+        this process writes). Steps count from the trainer's own optimizer-step count, so a
+        resumed run continues its step axis."""
+        from gradtrack import _open_watcher
 
         self._close()
-        sinks: list[GradientSink] = []
-        if writes or not self.config.distributed.enabled:
-            sinks = _build_sinks(self.backend or default_backend(), self.config)
-        self.watcher = Watcher(
-            model, sinks, self.config, scaler=scaler, on_alert=self.on_alert, steps=steps
-        )
+        self.watcher = _open_watcher(
+            model, lambda: self.backend or default_backend(), self.config,
+            scaler=scaler, on_alert=self.on_alert, steps=steps,
+        )  # fmt: skip
         self.watcher.step = first_step
 
     def _close(self) -> None:

@@ -50,7 +50,6 @@ class GradtrackCallback(CallbackOptions, Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._open(
             pl_module,
-            writes=trainer.global_rank == 0,
             default_backend=lambda: _sinks_of(trainer, self.config),
             scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
             steps="manual",

@@ -57,7 +57,6 @@ class GradtrackCallback(CallbackOptions, TrainerCallback):
             scaler = None
         self._open(
             model,
-            writes=state.is_world_process_zero,
             default_backend=lambda: _sinks_of(args),
             scaler=scaler,
             steps="auto" if scaler is not None else _last_micro_batch(),
