@@ -108,6 +108,7 @@ class Watcher:
         self._scaler_tap: ScalerTap | None = None
         self._order_probe: BackwardOrderProbe | None = None
         self._activation_probe: ActivationProbe | None = None
+        self._output_probe: OutputProbe | None = None
         self._local_probe: LocalNormProbe | None = None
         self._warned_no_activations = False
         self._steps = steps
@@ -130,11 +131,9 @@ class Watcher:
         manual = self._steps == "manual"
         if scaler is not None:
             self._scaler_tap = ScalerTap(scaler, None if manual else self._step_boundary)
-        if manual or self._scaler_tap is not None:
-            pass
         elif optimizer is not None and self._steps == "auto":
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
-        else:
+        elif not manual:
             for param in self.collector.params:
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
@@ -142,8 +141,11 @@ class Watcher:
             id(p): int(i) for p, i in zip(self.collector.params, self.collector.tensor_layer)
         }
         self._order_probe = BackwardOrderProbe(self.collector.params, layer_of)
-        self._output_probe = OutputProbe(model, self._next_step_is_due)
-        self._handles.append(self._output_probe.handle)
+        if self.ranks is not None and self.ranks.rank != 0:
+            output_modules = []  # forward evidence is read only where records are made
+        else:
+            self._output_probe = OutputProbe(model, self._next_step_is_due)
+            self._handles.append(self._output_probe.handle)
         if output_modules:
             self._activation_probe = ActivationProbe(output_modules, self._next_step_is_due)
             self._handles.extend(self._activation_probe.handles)
@@ -262,7 +264,6 @@ class Watcher:
                 local = self._local_probe.take(self.collector.params[0].device)
                 ranks_local = self.ranks.all_gather(local).reshape(-1)
                 if self.ranks.rank != 0:
-                    self._evidence()  # clears the probes; rank 0's evidence is what counts
                     return None
             evidence, activation_order = self._evidence(ranks_local)
             parts = self.collector.collect(with_samples, evidence)
@@ -309,7 +310,9 @@ class Watcher:
         GradScaler's found-inf, scale and next scale, then the activation-gradient norms
         (NaN where unknown), then ``ranks_local`` (every rank's local tensor norms); and the
         order in which activation gradients arrived."""
-        values: list[torch.Tensor | None] = [*self._output_probe.take(), None, None, None]
+        values: list[torch.Tensor | None] = [None] * 5
+        if self._output_probe is not None:
+            values[:2] = self._output_probe.take()
         if self._scaler_tap is not None:
             values[2:] = self._scaler_tap.evidence() or (None, None, None)
         order = None

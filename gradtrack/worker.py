@@ -138,6 +138,7 @@ class Worker:
         self._layer_metrics = tuple(config.layer_metrics)
         self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
         self._gather_ranks = config.distributed.gather_ranks
+        self._layer_position = {name: i for i, name in enumerate(collector.layer_names)}
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
 
@@ -259,7 +260,7 @@ class Worker:
             per_layer = rank_layer_norms(
                 per_tensor, collector.tensor_layer, len(collector.layer_names)
             )
-            position = {name: i for i, name in enumerate(collector.layer_names)}
+            position = self._layer_position
             fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
         return fields
 
