@@ -15,10 +15,12 @@ from torch import Tensor
 
 from gradtrack.layers import Layer
 from gradtrack.stats import (
+    PACK_BELOW_ELEMENTS,
     HostPart,
     copy_to_host,
     fill_nonfinite_counts,
     nonfinite_counts,
+    packed_norms,
     sample_elements,
     tensor_norms,
 )
@@ -47,13 +49,17 @@ class Collector:
         self.local_shards = False
         self.reduce_shards: Callable[[Tensor, np.ndarray, int], Tensor] | None = None
 
-    def collect(self, with_samples: bool, flags: Tensor | None = None) -> list[HostPart]:
+    def collect(self, with_samples: bool, flags: Sequence[Tensor | None] = ()) -> list[HostPart]:
         """Reduce every present gradient; one `HostPart` per device (usually one).
 
-        ``flags``, a small float64 tensor of step evidence, rides along in the first part.
+        ``flags``, step evidence (tensors read as float64, None for unknown), ride along in
+        the first part: in its host copy on an accelerator, read directly on the CPU.
         """
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[Tensor]]]
+        # Keyed by device, dtype and reduction: on the CPU, small tensors are reduced packed
+        # together (`stats.packed_norms`), larger ones per tensor (`stats.tensor_norms`).
+        groups: dict[tuple[torch.device, torch.dtype, bool], tuple[list[int], list[Tensor]]]
         groups = defaultdict(lambda: ([], []))
+        foreach_only: dict[torch.device, bool] = {}
         with torch.no_grad():
             for i, param in enumerate(self.params):
                 grad = param.grad
@@ -66,30 +72,37 @@ class Collector:
                     grad = grad.coalesce()._values()
                 if grad.numel() == 0:
                     grad = self._placeholder(grad)
-                indices, grads = groups[(grad.device, grad.dtype)]
+                device = grad.device
+                if device not in foreach_only:
+                    foreach_only[device] = (
+                        device.type != "cpu" if self.foreach_only is None else self.foreach_only
+                    )
+                packed = not foreach_only[device] and grad.numel() < PACK_BELOW_ELEMENTS
+                indices, grads = groups[(device, grad.dtype, packed)]
                 indices.append(i)
                 grads.append(grad)
-            by_device: dict[torch.device, list[tuple[list[int], list[Tensor]]]] = defaultdict(list)
-            for (device, _), group in groups.items():
-                by_device[device].append(group)
+            by_device: dict[torch.device, list[tuple[bool, list[int], list[Tensor]]]]
+            by_device = defaultdict(list)
+            for (device, _, packed), (indices, grads) in groups.items():
+                by_device[device].append((packed, indices, grads))
             return [
-                self._reduce_device(device, group, with_samples, flags if i == 0 else None)
+                self._reduce_device(
+                    device, group, foreach_only[device], with_samples, flags if i == 0 else ()
+                )
                 for i, (device, group) in enumerate(by_device.items())
             ]
 
     def _reduce_device(
         self,
         device: torch.device,
-        groups: list[tuple[list[int], list[Tensor]]],
+        groups: list[tuple[bool, list[int], list[Tensor]]],
+        foreach_only: bool,
         with_samples: bool,
-        flags: Tensor | None,
+        flags: Sequence[Tensor | None],
     ) -> HostPart:
-        foreach_only = self.foreach_only
-        if foreach_only is None:
-            foreach_only = device.type != "cpu"
         stats, samples, all_grads = [], [], []
-        for indices, grads in groups:
-            group_stats = tensor_norms(grads, foreach_only)
+        for packed, indices, grads in groups:
+            group_stats = packed_norms(grads) if packed else tensor_norms(grads, foreach_only)
             if foreach_only:
                 group_stats[:, 3:] = nonfinite_counts(grads)
             stats.append(group_stats)
@@ -97,28 +110,40 @@ class Collector:
                 counts = self.sample_counts[indices]
                 samples.append(sample_elements(grads, counts.tolist(), self._generator(device)))
             all_grads.extend(grads)
-        tensor_index = np.concatenate([np.asarray(indices) for indices, _ in groups])
-        rows = torch.cat(stats)
+        tensor_index = np.concatenate([np.asarray(indices) for _, indices, _ in groups])
+        rows = torch.cat(stats) if len(stats) > 1 else stats[0]
         if not foreach_only:  # CPU rows: count NaN/Inf now, where norms came out non-finite
             fill_nonfinite_counts(rows.numpy(), all_grads)
         if self.reduce_shards is not None:
             rows = self.reduce_shards(rows, tensor_index, len(self.params))
+        sample_counts = (
+            np.minimum(self.sample_counts[tensor_index], _numel_of(all_grads))
+            if with_samples
+            else None
+        )
+        self.host_transfers += 1
+        if device.type == "cpu":  # nothing to copy: the worker reads these tensors
+            return HostPart(
+                tensor_index,
+                sample_counts,
+                buffer=rows,
+                cpu_flags=host_flags(flags),
+                cpu_samples=(torch.cat(samples) if len(samples) > 1 else samples[0])
+                if samples
+                else None,
+            )
         float64 = [rows.reshape(-1)]
-        if flags is not None:
-            float64.append(flags.to(device, torch.float64, non_blocking=True))
+        device_flags = device_flags_of(flags, device)
+        if device_flags is not None:
+            float64.append(device_flags)
         pieces = [torch.cat(float64).view(torch.float32), *samples]
         buffer, ready = copy_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
-        self.host_transfers += 1
         return HostPart(
-            tensor_index=tensor_index,
-            sample_counts=(
-                np.minimum(self.sample_counts[tensor_index], _numel_of(all_grads))
-                if with_samples
-                else None
-            ),
+            tensor_index,
+            sample_counts,
             buffer=buffer,
             ready=ready,
-            n_flags=0 if flags is None else flags.numel(),
+            n_flags=0 if device_flags is None else device_flags.numel(),
         )
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -134,6 +159,36 @@ class Collector:
         if key not in self._placeholders:
             self._placeholders[key] = torch.zeros(1, device=grad.device, dtype=grad.dtype)
         return self._placeholders[key]
+
+
+def device_flags_of(flags: Sequence[Tensor | None], device: torch.device) -> Tensor | None:
+    """The flags as one float64 tensor on ``device`` (NaN where unknown); None if all unknown."""
+    known = [flag for flag in flags if flag is not None]
+    if not known:
+        return None
+    nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
+    return torch.cat(
+        [
+            nan if flag is None else flag.to(device, torch.float64, non_blocking=True).reshape(-1)
+            for flag in flags
+        ]
+    )
+
+
+def host_flags(flags: Sequence[Tensor | None]) -> np.ndarray | None:
+    """CPU flags read directly into float64 (NaN where unknown); None if all unknown.
+
+    >>> host_flags([torch.tensor(True), None, torch.tensor([2.0, 3.0])])
+    array([ 1., nan,  2.,  3.])
+    """
+    if all(flag is None for flag in flags):
+        return None
+    return np.concatenate(
+        [
+            np.full(1, np.nan) if flag is None else flag.numpy().reshape(-1).astype(np.float64)
+            for flag in flags
+        ]
+    )
 
 
 def _numel_of(grads: Sequence[Tensor]) -> np.ndarray:

@@ -145,6 +145,14 @@ class GradtrackConfig(BaseModel):
         "grad_mean_abs/, grad_rms/); fewer keys per step for very deep models on slow stores "
         "(empty: only the grad/ totals). All are still computed for alerts and the console.",
     )
+    layer_every: PositiveInt = Field(
+        100,
+        description="Write the per-layer metrics (layer_metrics, activation norms) on the "
+        "first logged step of every N steps; the grad/ totals and per-layer NaN/Inf counts go "
+        "out at every logged step, and a step with a non-finite gradient or an alert is "
+        "written in full. 1: per-layer metrics at every logged step. Alerts always see every "
+        "logged step.",
+    )
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."
     )

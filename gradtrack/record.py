@@ -76,6 +76,9 @@ class StepRecord:
     rank_grad_norms: np.ndarray | None = None
     # The per-layer statistics sinks write as metrics (``layer_metrics`` in the config).
     layer_metrics: tuple[str, ...] = tuple(LAYER_KEY_PREFIX)
+    # Whether sinks write the per-layer metrics at this step (``layer_every``); the grad/
+    # totals and non-zero NaN/Inf counts are written at every logged step.
+    per_layer: bool = True
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -147,6 +150,8 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     grad_mean_abs/fc
     grad_norm/fc
     grad_rms/fc
+    >>> sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0, per_layer=False)))[-1]
+    'grad/total_norm'
     """
     model = record.model_name
     metrics = {
@@ -158,14 +163,16 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     if extremes is not None:
         metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]
         metrics[metric_key("grad", "max_layer_norm", model)] = extremes[1][1]
-    for stat in record.layer_metrics:
-        prefix = LAYER_KEY_PREFIX[stat]
-        for layer, value in zip(record.layers, record.column(stat).tolist()):
-            metrics[metric_key(prefix, layer, model)] = value
     for stat, prefix in NONFINITE_KEY_PREFIX.items():
         for layer, value in zip(record.layers, record.column(stat).tolist()):
             if value:
                 metrics[metric_key(prefix, layer, model)] = value
+    if not record.per_layer:
+        return metrics
+    for stat in record.layer_metrics:
+        prefix = LAYER_KEY_PREFIX[stat]
+        for layer, value in zip(record.layers, record.column(stat).tolist()):
+            metrics[metric_key(prefix, layer, model)] = value
     for module, value in record.activation_grad_norms.items():
         metrics[metric_key(ACTIVATION_KEY_PREFIX, module, model)] = value
     if record.rank_grad_norms is not None:

@@ -7,12 +7,13 @@ step) and `fill_nonfinite_counts` (CPU tensors only, and only on non-finite step
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors
 
 # Columns of the per-tensor array computed on the device.
 L2, L1, LINF, NAN, INF = range(5)
@@ -29,26 +30,34 @@ _COUNT_CHUNK_ELEMENTS = 1 << 25
 
 @dataclass
 class HostPart:
-    """What one device hands to the worker for one step: rows and samples, in one buffer.
+    """What one device hands to the worker for one step.
 
-    ``buffer`` holds the [rows, 5] float64 statistics and ``n_flags`` float64 step flags,
-    reinterpreted as float32, then the float32 gradient samples; ``ready`` is set once the
-    copy into it has completed.
+    From an accelerator, ``buffer`` is the step's one host copy: the [rows, 5] float64
+    statistics and ``n_flags`` float64 step flags reinterpreted as float32, then the float32
+    gradient samples; ``ready`` is set once the copy has completed. On the CPU nothing needs
+    copying: ``buffer`` is the float64 rows themselves, ``cpu_flags`` the flags and
+    ``cpu_samples`` the samples.
     """
 
     tensor_index: np.ndarray
     sample_counts: np.ndarray | None
     buffer: Tensor
-    ready: torch.cuda.Event | None
+    ready: torch.cuda.Event | None = None
     n_flags: int = 0
+    cpu_flags: np.ndarray | None = None
+    cpu_samples: Tensor | None = None
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
 
     @property
+    def _copied(self) -> bool:
+        return self.buffer.dtype == torch.float32
+
+    @property
     def _float64_words(self) -> int:
-        """float32 words the float64 rows and flags take at the head of ``buffer``."""
+        """float32 words the float64 rows and flags take at the head of a copied ``buffer``."""
         return (len(self.tensor_index) * TENSOR_COLUMNS + self.n_flags) * 2
 
     def _float64(self) -> np.ndarray:
@@ -56,12 +65,18 @@ class HostPart:
 
     def stats(self) -> np.ndarray:
         rows = len(self.tensor_index)
+        if not self._copied:
+            return self.buffer.numpy()
         return self._float64()[: rows * TENSOR_COLUMNS].reshape(rows, TENSOR_COLUMNS)
 
     def flags(self) -> np.ndarray:
+        if not self._copied:
+            return self.cpu_flags if self.cpu_flags is not None else np.zeros(0)
         return self._float64()[len(self.tensor_index) * TENSOR_COLUMNS :]
 
     def samples(self) -> np.ndarray:
+        if not self._copied:
+            return np.zeros(0, np.float32) if self.cpu_samples is None else self.cpu_samples.numpy()
         return self.buffer.numpy()[self._float64_words :]
 
 
@@ -71,54 +86,37 @@ def tensor_norms(grads: list[Tensor], foreach_only: bool = True) -> Tensor:
     ``grads`` share one device and dtype, and none is empty. fp16/bf16 accumulate in fp32.
     NaN anywhere makes all three norms NaN; ±Inf without NaN makes L2 and max Inf.
     ``foreach_only`` keeps the kernel count independent of ``len(grads)`` (what accelerators
-    need). Without it (CPU), small tensors are reduced packed together — one copy, then
-    segment reductions in fp64, whatever their number — and large ones take the foreach
-    norms with max |g| from one min/max pass each (~8x faster than CPU's max-norm kernel).
+    need). Without it (CPU), max |g| comes from one min/max pass per tensor (~8x faster than
+    CPU's max-norm kernel); `packed_norms` is the CPU path for many small tensors.
 
     >>> tensor_norms([torch.tensor([3.0, -4.0])])
     tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
     >>> tensor_norms([torch.tensor([3.0, -4.0])], foreach_only=False)
     tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
     """
-    if foreach_only:
-        return _foreach_norms(grads, max_abs=_foreach_max_abs)
-    small = [i for i, g in enumerate(grads) if g.numel() < PACK_BELOW_ELEMENTS]
-    if len(small) == len(grads):
-        return _packed_norms(grads)
-    if not small:
-        return _foreach_norms(grads, max_abs=_max_abs_per_tensor)
-    large = sorted(set(range(len(grads))) - set(small))
-    rows = torch.empty(len(grads), TENSOR_COLUMNS, dtype=torch.float64, device=grads[0].device)
-    rows[small] = _packed_norms([grads[i] for i in small])
-    rows[large] = _foreach_norms([grads[i] for i in large], max_abs=_max_abs_per_tensor)
-    return rows
-
-
-def _foreach_norms(grads: list[Tensor], max_abs: Callable[[list[Tensor]], Tensor]) -> Tensor:
     accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
     l2 = torch._foreach_norm(grads, 2, dtype=accumulate)
     l1 = torch._foreach_norm(grads, 1, dtype=accumulate)
-    linf = max_abs(grads)
+    if foreach_only:
+        linf = torch.stack(torch._foreach_norm(grads, math.inf, dtype=accumulate))
+    else:  # NaN propagates through aminmax and maximum, as through the max-norm.
+        low, high = zip(*(torch.aminmax(g) for g in grads))
+        linf = torch.maximum(torch.stack(high), torch.stack(low).neg())
     columns = [torch.stack(l2).double(), torch.stack(l1).double(), linf.double()]
     zeros = linf.new_zeros(len(grads), dtype=torch.float64)
     return torch.stack([*columns, zeros, zeros], dim=1)
 
 
-def _foreach_max_abs(grads: list[Tensor]) -> Tensor:
-    accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
-    return torch.stack(torch._foreach_norm(grads, math.inf, dtype=accumulate))
-
-
-def _max_abs_per_tensor(grads: list[Tensor]) -> Tensor:
-    # NaN propagates through aminmax and maximum, as through the max-norm.
-    low, high = zip(*(torch.aminmax(g) for g in grads))
-    return torch.maximum(torch.stack(high), torch.stack(low).neg())
-
-
-def _packed_norms(grads: list[Tensor]) -> Tensor:
+def packed_norms(grads: list[Tensor]) -> Tensor:
     """Many small tensors at once: per-tensor overheads (a stack costs ~2 µs per tensor)
-    dominate them, so copy them into one fp64 buffer and reduce it by segments."""
-    absolute = torch.cat([g.reshape(-1) for g in grads]).double().abs_()
+    dominate them, so copy them into one fp64 buffer and reduce it by segments.
+
+    >>> packed_norms([torch.tensor([3.0, -4.0]), torch.tensor([[-2.0]])])
+    tensor([[5., 7., 4., 0., 0.],
+            [2., 2., 2., 0., 0.]], dtype=torch.float64)
+    """
+    # One C++ call flattens and concatenates (DDP's bucketing uses the same helper).
+    absolute = _flatten_dense_tensors(grads).double().abs_()
     lengths = torch.tensor([g.numel() for g in grads], device=absolute.device)
     l1 = torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True)
     linf = torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)

@@ -305,20 +305,20 @@ class Watcher:
 
     def _evidence(
         self, ranks_local: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | None, list[int] | None]:
-        """Step flags as one float64 tensor: output finite, output grad finite, the
-        GradScaler's found-inf, scale and next scale, then the activation-gradient norms
-        (NaN where unknown), then ``ranks_local`` (every rank's local tensor norms); and the
-        order in which activation gradients arrived."""
-        values: list[torch.Tensor | None] = [None] * 5
+    ) -> tuple[list[torch.Tensor | None], list[int] | None]:
+        """Step flags (None where unknown): output finite, output grad finite, the
+        GradScaler's found-inf, scale and next scale, then the activation-gradient norms,
+        then ``ranks_local`` (every rank's local tensor norms); and the order in which
+        activation gradients arrived."""
+        flags: list[torch.Tensor | None] = [None] * 5
         if self._output_probe is not None:
-            values[:2] = self._output_probe.take()
+            flags[:2] = self._output_probe.take()
         if self._scaler_tap is not None:
-            values[2:] = self._scaler_tap.evidence() or (None, None, None)
+            flags[2:] = self._scaler_tap.evidence() or (None, None, None)
         order = None
         if self._activation_probe is not None:
             norms, order = self._activation_probe.take()
-            values.extend(norms)
+            flags.extend(norms)
             if not order and not self._warned_no_activations:
                 self._warned_no_activations = True
                 warnings.warn(
@@ -328,20 +328,9 @@ class Watcher:
                     RuntimeWarning,
                     stacklevel=4,
                 )
-        known = [v for v in values if v is not None]
         if ranks_local is not None:
-            known.append(ranks_local)
-        if not known:
-            return None, order
-        device = known[0].device
-        nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
-        flags = [
-            nan if v is None else v.to(device, torch.float64, non_blocking=True).reshape(1)
-            for v in values
-        ]
-        if ranks_local is not None:
-            flags.append(ranks_local.to(device, torch.float64, non_blocking=True))
-        return torch.cat(flags), order
+            flags.append(ranks_local)
+        return flags, order
 
     # -- lifecycle ----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:

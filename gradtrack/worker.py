@@ -12,7 +12,7 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -136,6 +136,8 @@ class Worker:
         self._activation_names = tuple(activation_names)
         self._model_name = config.model_name
         self._layer_metrics = tuple(config.layer_metrics)
+        self._layer_every = config.layer_every
+        self._last_layer_window = -1
         self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
         self._gather_ranks = config.distributed.gather_ranks
         self._layer_position = {name: i for i, name in enumerate(collector.layer_names)}
@@ -182,8 +184,11 @@ class Worker:
                 names = self._collector.layer_names
                 self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
             record = self.build_record(pending)
+            step_events = list(self.alert_engine.evaluate(record))
+            if not record.per_layer and (step_events or record.nan_count or record.inf_count):
+                record = replace(record, per_layer=True)  # the steps to look at
             records.append(record)
-            for event in self.alert_engine.evaluate(record):
+            for event in step_events:
                 events.append(event)
                 self._act(event)
         except Exception as exc:  # a bug here must not stop the worker
@@ -242,10 +247,19 @@ class Worker:
             histograms=self._histograms(pending.parts),
             model_name=self._model_name,
             layer_metrics=self._layer_metrics,
+            per_layer=self._per_layer_due(pending.step),
             **_evidence(flags[:5]),
             **self._activations(activation_flags, pending.activation_order or []),
             **self._ranks(flags[5 + n_activations :], layers),
         )
+
+    def _per_layer_due(self, step: int) -> bool:
+        """The first logged step in each window of ``layer_every`` steps."""
+        window = step // self._layer_every
+        if window == self._last_layer_window:
+            return False
+        self._last_layer_window = window
+        return True
 
     def _ranks(self, local_norms: np.ndarray, layers: tuple[str, ...]) -> dict[str, Any]:
         """Replicated ranks' local (pre-all-reduce) gradients: who went non-finite, and with

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradtrack.report.data import RunData
+from gradtrack.report.data import RunData, common_layer_steps
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,7 @@ def rank_layers(runs: list[RunData]) -> list[LayerDifference]:
     [('x', 6.0), ('y', 0.0)]
     """
     layers = [layer for layer in runs[0].layers if all(layer in run.layers for run in runs)]
-    common = set(runs[0].steps.tolist())
-    for run in runs[1:]:
-        common &= set(run.steps.tolist())
-    steps = sorted(common)
+    steps = common_layer_steps(runs)
     logs = np.stack([_log_norms(run, layers, steps) for run in runs])  # [runs, steps, layers]
     with np.errstate(all="ignore"):
         means = np.nanmean(logs, axis=1)  # [runs, layers]

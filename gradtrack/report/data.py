@@ -44,10 +44,25 @@ class RunData:
     total_norm: np.ndarray
     histograms: dict[str, list[tuple[int, Histogram]]] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)
+    # The steps that carry per-layer statistics (``layer_every``); default: all of ``steps``.
+    layer_steps: np.ndarray | None = None
 
     @property
     def norms(self) -> np.ndarray:
         return self.stats["grad_norm"]
+
+    def per_layer_steps(self) -> np.ndarray:
+        """The steps that carry per-layer statistics."""
+        return self.steps if self.layer_steps is None else self.layer_steps
+
+    def layer_rows(self) -> np.ndarray:
+        """Row indices of `per_layer_steps` in the [steps, layers] tables."""
+        return np.searchsorted(self.steps, self.per_layer_steps())
+
+
+def common_layer_steps(runs: Sequence[RunData]) -> list[int]:
+    """Steps at which every run logged its per-layer statistics."""
+    return sorted(set.intersection(*(set(run.per_layer_steps().tolist()) for run in runs)))
 
 
 def natural_key(name: str) -> list[Any]:
@@ -78,9 +93,8 @@ def from_series(
     known = set(per_family["grad_norm"])
     layers = [layer for layer in layer_order if layer in known]
     layers += sorted(known - set(layers), key=natural_key)
-    logged = {s for s, _ in series.get(TOTAL_NORM_KEY, ())}
-    logged |= {s for values in per_family["grad_norm"].values() for s, _ in values}
-    steps = sorted(logged)
+    layer_logged = {s for values in per_family["grad_norm"].values() for s, _ in values}
+    steps = sorted(layer_logged | {s for s, _ in series.get(TOTAL_NORM_KEY, ())})
     index = {step: i for i, step in enumerate(steps)}
     stats = {}
     for family, by_layer in per_family.items():
@@ -95,6 +109,7 @@ def from_series(
     return RunData(
         name=name, source=source, steps=np.array(steps, dtype=np.int64), layers=layers,
         stats=stats, total_norm=total, histograms=histograms or {}, alerts=alerts or [],
+        layer_steps=np.array(sorted(layer_logged), dtype=np.int64),
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gradtrack.report.data import RunData
+from gradtrack.report.data import RunData, common_layer_steps
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -35,7 +35,7 @@ def total_norm(runs: list[RunData]) -> Figure:
 
 def profile_steps(runs: list[RunData], count: int = 3) -> list[int]:
     """Steps every run logged, spread from first to last."""
-    common = sorted(set.intersection(*(set(run.steps.tolist()) for run in runs)))
+    common = common_layer_steps(runs)
     if not common:
         return []
     picks = np.unique(np.linspace(0, len(common) - 1, count).round().astype(int))
@@ -66,10 +66,11 @@ def flow_profile(runs: list[RunData], steps: list[int]) -> Figure:
 def heatmap(run: RunData) -> Figure:
     figure = _figure(10.0, max(3.0, min(12.0, 0.18 * len(run.layers) + 1.5)))
     axes = figure.add_subplot()
+    steps = run.per_layer_steps().tolist()
     with np.errstate(divide="ignore", invalid="ignore"):
-        logs = np.log10(run.norms.T)
+        logs = np.log10(run.norms[run.layer_rows()].T)
     logs[~np.isfinite(logs)] = np.nan
-    extent = (run.steps[0] - 0.5, run.steps[-1] + 0.5, len(run.layers) - 0.5, -0.5)
+    extent = (steps[0] - 0.5, steps[-1] + 0.5, len(run.layers) - 0.5, -0.5)
     image = axes.imshow(logs, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
     if len(run.layers) <= 60:
         axes.set_yticks(range(len(run.layers)), run.layers, fontsize=6)

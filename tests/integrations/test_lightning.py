@@ -106,7 +106,7 @@ def test_mixed_precision_gradients_are_reported_unscaled() -> None:
 
 def test_wandb_logger_run_receives_the_gradients(offline_wandb: Path) -> None:
     logger = WandbLogger(project="gradtrack-lightning", save_dir=str(offline_wandb), offline=True)
-    _fit(GradtrackCallback(log_every=2, hist_every=None), logger=logger)
+    _fit(GradtrackCallback(log_every=2, layer_every=1, hist_every=None), logger=logger)
     run_dir = Path(logger.experiment.dir).parent
     wandb.finish()
     wandb.teardown()
@@ -119,7 +119,7 @@ def test_wandb_logger_run_receives_the_gradients(offline_wandb: Path) -> None:
 
 def test_mlflow_logger_run_receives_the_gradients(mlflow_server: MlflowServer) -> None:
     logger = MLFlowLogger(experiment_name="gradtrack-lightning", tracking_uri=mlflow_server.uri)
-    _fit(GradtrackCallback(log_every=3, hist_every=None), logger=logger)
+    _fit(GradtrackCallback(log_every=3, layer_every=1, hist_every=None), logger=logger)
 
     client = mlflow.MlflowClient(mlflow_server.uri)
     history = client.get_metric_history(logger.run_id, "grad_norm/body.2")

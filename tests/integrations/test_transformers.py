@@ -133,7 +133,11 @@ def test_gradients_are_seen_before_the_trainer_clips_them(tmp_path: Path) -> Non
 
 
 def test_report_to_wandb_writes_into_the_trainers_run(offline_wandb: Path) -> None:
-    _train(offline_wandb, GradtrackCallback(log_every=2, hist_every=None), report_to="wandb")
+    _train(
+        offline_wandb,
+        GradtrackCallback(log_every=2, layer_every=1, hist_every=None),
+        report_to="wandb",
+    )
     assert wandb.run is not None  # the Trainer leaves its run open; gradtrack does too
     wandb.finish()
     wandb.teardown()
@@ -150,7 +154,9 @@ def test_report_to_mlflow_writes_into_the_trainers_run(
 ) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "gradtrack-hf")
-    _train(tmp_path, GradtrackCallback(log_every=1, hist_every=None), report_to="mlflow")
+    _train(
+        tmp_path, GradtrackCallback(log_every=1, layer_every=1, hist_every=None), report_to="mlflow"
+    )
 
     client = mlflow.MlflowClient(mlflow_server.uri)
     experiment = client.get_experiment_by_name("gradtrack-hf")

@@ -46,7 +46,7 @@ def two_runs(
         generator = torch.Generator().manual_seed(1)
         with gradtrack.watch(
             model, backend=["wandb", "mlflow"], optimizer=optimizer, log_every=2, hist_every=10,
-            wandb={"mode": "offline", "name": name, "dir": str(root / name)},
+            layer_every=10, wandb={"mode": "offline", "name": name, "dir": str(root / name)},
             mlflow={"tracking_uri": mlflow_server.uri, "experiment": "compare", "run_name": name},
         ) as watcher:  # fmt: skip
             for _ in range(40):
@@ -74,6 +74,12 @@ def test_both_sources_rank_the_vanishing_layers_first_and_agree(two_runs: dict[s
     for run_m, run_w in zip(from_mlflow, from_wandb):
         assert run_m.layers == run_w.layers == [str(i) for i in range(0, 17, 2)]
         np.testing.assert_array_equal(run_m.steps, run_w.steps)
+        # Totals at every logged step; per-layer statistics every layer_every steps, and at
+        # the steps that raised an alert.
+        assert run_m.steps.tolist() == list(range(0, 40, 2))
+        per_layer = run_m.per_layer_steps().tolist()
+        assert per_layer == run_w.per_layer_steps().tolist()
+        assert set(per_layer) == {0, 10, 20, 30} | {alert.step for alert in run_m.alerts}
         np.testing.assert_allclose(run_m.norms, run_w.norms, rtol=1e-12)
         assert sorted(run_m.histograms) == sorted(run_w.histograms)
         for layer, series in run_m.histograms.items():

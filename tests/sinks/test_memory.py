@@ -33,7 +33,9 @@ def test_scalars_use_the_shared_keys_and_nonfinite_keys_only_where_nonzero() -> 
     assert set(scalars) == {*totals, "grad_nan/0", "grad_inf/0", *per_layer}
     assert scalars["grad_nan/0"] == [(1, 1.0)] and scalars["grad_inf/0"] == [(1, 1.0)]
     assert scalars["grad/nan_count"] == [(0, 0.0), (1, 1.0), (2, 0.0)]
-    assert [step for step, _ in scalars["grad_norm/2"]] == [0, 1, 2]
+    # Per-layer series at the first step of each layer_every (default 100) window, and at
+    # step 1 in full because its gradient was non-finite; the totals at every logged step.
+    assert [step for step, _ in scalars["grad_norm/2"]] == [0, 1]
     record = sink.records[0]
     (weakest, low), (strongest, high) = record.extreme_layers()
     assert {weakest, strongest} == {"0", "2"} and low < high
@@ -41,3 +43,21 @@ def test_scalars_use_the_shared_keys_and_nonfinite_keys_only_where_nonzero() -> 
     assert scalars["grad/max_layer_norm"][0] == (0, high)
     norms = dict(scalars["grad/total_norm"])
     assert norms[0] > 0 and norms[1] != norms[1]  # NaN at the poisoned step
+
+
+def test_layer_every_windows_need_not_align_with_log_every() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    sink = MemorySink()
+    optimizer = NoUpdate(model.parameters())
+    with gradtrack.watch(model, sink, optimizer, log_every=3, layer_every=5, hist_every=None):
+        for _ in range(16):
+            optimizer.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            optimizer.step()
+    # Logged steps 0, 3, 6, 9, 12, 15 fall in the 5-step windows 0, 0, 1, 1, 2, 3: the first
+    # logged step of each window carries the layers.
+    assert [(r.step, r.per_layer) for r in sink.records] == [
+        (0, True), (3, False), (6, True), (9, False), (12, True), (15, True),
+    ]  # fmt: skip
+    assert [step for step, _ in sink.scalars()["grad_max/0"]] == [0, 6, 12, 15]
+    assert len(sink.scalars()["grad/total_norm"]) == 6

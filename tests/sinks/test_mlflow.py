@@ -126,6 +126,25 @@ def test_embedded_default_is_mlflow_db_in_the_working_directory(
     ]
 
 
+def test_per_layer_series_every_layer_every_steps_and_nonfinite_steps_in_full(
+    tmp_path: Path,
+) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    torch.manual_seed(0)
+    model = SmallCNN()
+    optimizer = NoUpdate(model.parameters())
+    with gradtrack.watch(
+        model, backend="mlflow", optimizer=optimizer, log_every=2, layer_every=5,
+        hist_every=None, mlflow={"tracking_uri": uri},
+    ) as watcher:  # fmt: skip
+        train(model, range(12), optimizer, nan_at=8)
+    got = histories(uri, watcher.sinks[0].run_id, ["grad/total_norm", "grad_norm/0", "grad_max/7"])
+    assert [s for s, _ in got["grad/total_norm"]] == [0, 2, 4, 6, 8, 10]
+    # First logged step of each 5-step window (0, 6, 10), and step 8, whose gradient was NaN.
+    assert [s for s, _ in got["grad_norm/0"]] == [0, 6, 8, 10]
+    assert [s for s, _ in got["grad_max/7"]] == [0, 6, 8, 10]
+
+
 def outage_config(uri: str, **more: Any) -> dict[str, Any]:
     return {"tracking_uri": uri, "retry_max_s": 1.0, "request_timeout_s": 2.0, **more}
 
