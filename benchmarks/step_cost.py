@@ -2,6 +2,7 @@
 
     python -m benchmarks.step_cost [--models cnn mlp transformer] [--steps 300]
     python -m benchmarks.step_cost --defaults --backend mlflow   # gradtrack's defaults
+    python -m benchmarks.step_cost --defaults --backend mlflow --config '{"layer_every": 1}'
 
 Summaries every step into the memory sink unless told otherwise. The training-thread figure
 is the wall time of gradtrack's step hook (launching reductions, the host copy, the
@@ -12,6 +13,7 @@ sink), from /proc (Linux). Both are per training step, and as a share of the ste
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -72,11 +74,10 @@ def main() -> None:
     parser.add_argument(
         "--defaults", action="store_true", help="gradtrack's defaults, not summaries every step"
     )
-    parser.add_argument("--layer-metrics", nargs="*", help="config layer_metrics")
+    parser.add_argument("--config", default="{}", help='more options, JSON: {"layer_every": 1}')
     args = parser.parse_args()
     options: dict[str, Any] = {} if args.defaults else {"log_every": 1, "hist_every": None}
-    if args.layer_metrics is not None:
-        options["layer_metrics"] = tuple(args.layer_metrics)
+    options.update(json.loads(args.config))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; backend "
           f"{args.backend}, {options or 'defaults'}; ms per training step")  # fmt: skip
     print("model | step | gradtrack, training thread | gradtrack worker CPU")

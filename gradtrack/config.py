@@ -77,6 +77,13 @@ class MlflowOptions(BaseModel):
     hist_chunk_steps: PositiveInt = Field(
         100, description="Histogram steps per stored file (also written at flush and close)."
     )
+    send_every_s: float = Field(
+        5.0,
+        ge=0,
+        description="Send buffered steps at most this often: a full request (1,000 metrics), "
+        "an alert, flush() and close() go at once. MLflow's stores cost per request as well "
+        "as per metric, so fewer, fuller requests cost less. 0: send at every write.",
+    )
 
 
 class DistributedOptions(BaseModel):

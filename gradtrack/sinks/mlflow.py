@@ -1,13 +1,15 @@
 """MLflow sink: batched metrics, histogram files, alert tags — and nothing lost to a bad server.
 
-Steps wait in a bounded buffer and go out as `log-batch` requests of several steps; when the
-server is unreachable they stay there, retried with backoff, and arrive in order once it is
-back. mlflow is imported only in the worker thread, at the first write.
+Steps wait in a bounded buffer and go out as `log-batch` requests of several steps, at most
+every ``send_every_s`` unless a request is full; when the server is unreachable they stay
+there, retried with backoff, and arrive in order once it is back. mlflow is imported only in
+the worker thread, at the first write.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -82,15 +84,18 @@ class MlflowSink:
         self._reported_dropped = 0
         self._extreme_names: tuple[str, str] | None = None
         self._layers: list[str] = []
+        self._known_layers: set[str] = set()
         self._retry_at = 0.0
         self._backoff_s = 0.0
+        self._last_sent = -math.inf  # the first write goes out at once: the run appears
         self._outage_reported = False
 
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:
         for record in batch:
             self._buffer(record)
-        self._pump(until=None)
+        if self._send_due():
+            self._pump(until=None)
 
     def alert(self, event: AlertEvent) -> None:
         self._alert_count += 1
@@ -137,9 +142,10 @@ class MlflowSink:
 
     # -- buffering -------------------------------------------------------------------------
     def _buffer(self, record: StepRecord) -> None:
-        new = [layer for layer in record.layers if layer not in self._layers]
+        new = [layer for layer in record.layers if layer not in self._known_layers]
         if new:
             self._layers.extend(new)
+            self._known_layers.update(new)
             path = self._staging / Path(LAYERS_FILE).name
             path.write_text(json.dumps(self._layers))
             self._queue_upload(path, Path(LAYERS_FILE).parent.as_posix())
@@ -186,8 +192,20 @@ class MlflowSink:
             self._uploads.append((path, artifact_dir))
 
     # -- sending ---------------------------------------------------------------------------
+    def _send_due(self) -> bool:
+        """``send_every_s`` has passed since the last send, or a full request is waiting."""
+        if time.monotonic() - self._last_sent >= self.options.send_every_s:
+            return True
+        unsent = 0
+        for step in self._pending:
+            unsent += len(step.metrics) - step.sent
+            if unsent >= MAX_METRICS_PER_BATCH:
+                return True
+        return False
+
     def _pump(self, until: float | None) -> None:
         """Send what is buffered; on failure back off, and wait it out only until ``until``."""
+        self._last_sent = time.monotonic()
         while self._pending or self._uploads:
             wait = self._retry_at - time.monotonic()
             if wait > 0:

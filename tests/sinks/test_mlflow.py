@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.alerts import AlertEvent
+from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink, MlflowSink
 from gradtrack.sinks.mlflow import DROPPED_KEY, read_alerts, read_histograms
 from tests.conftest import NoUpdate, SmallCNN, cnn_batch, watch_without
@@ -143,6 +145,34 @@ def test_per_layer_series_every_layer_every_steps_and_nonfinite_steps_in_full(
     # First logged step of each 5-step window (0, 6, 10), and step 8, whose gradient was NaN.
     assert [s for s, _ in got["grad_norm/0"]] == [0, 6, 8, 10]
     assert [s for s, _ in got["grad_max/7"]] == [0, 6, 8, 10]
+
+
+def test_steps_go_out_every_send_every_s_and_at_once_on_alert_and_flush(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = gradtrack.GradtrackConfig(mlflow={"tracking_uri": uri, "send_every_s": 3600})
+    sink = MlflowSink(config)
+    stats = np.array([[5.0, 4.0, 3.5, 3.54, 2, 0, 0]])
+    records = [StepRecord(step, time.time(), ("fc",), stats, 5.0) for step in range(4)]
+
+    def logged() -> list[int]:
+        return [s for s, _ in histories(uri, sink.run_id, ["grad/total_norm"])["grad/total_norm"]]
+
+    sink.write(records[:1])  # the first write goes at once: the run appears
+    sink.write(records[1:3])
+    assert logged() == [0]  # the others wait for send_every_s, or a full request
+    event = AlertEvent(
+        step=2, wall_time=time.time(), rule="exploding", layer="fc", statistic="norm",
+        value=5.0, threshold=1.0, severity="warning", message="too big",
+    )  # fmt: skip
+    sink.alert(event)  # an alert goes at once, and takes the waiting steps with it
+    assert logged() == [0, 1, 2]
+    run = mlflow.MlflowClient(uri).get_run(sink.run_id)
+    assert run.data.tags["gradtrack.alert.last"] == "step 2: too big"
+    sink.write(records[3:])
+    assert logged() == [0, 1, 2]
+    sink.flush()
+    assert logged() == [0, 1, 2, 3]
+    sink.close()
 
 
 def outage_config(uri: str, **more: Any) -> dict[str, Any]:
