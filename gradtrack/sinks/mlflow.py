@@ -41,6 +41,10 @@ ALERTS_FILE = "alerts.jsonl"
 LAYERS_FILE = "gradtrack/layers.json"  # layer names in depth order, for readers
 DROPPED_KEY = "gradtrack/dropped"
 _MAX_TAG_CHARS = 5000
+# An alert goes out at once unless something was sent less than this long ago; then it
+# waits for the next write after that (a burst of alerts — hundreds of layers tripping one
+# rule at one step — becomes one request instead of one each).
+_ALERT_WAIT_S = 1.0
 
 
 class _Step:
@@ -88,6 +92,7 @@ class MlflowSink:
         self._retry_at = 0.0
         self._backoff_s = 0.0
         self._last_sent = -math.inf  # the first write goes out at once: the run appears
+        self._alert_waiting = False
         self._outage_reported = False
 
     # -- GradientSink ----------------------------------------------------------------------
@@ -112,9 +117,15 @@ class MlflowSink:
                 ("gradtrack.first_nonfinite_layer", event.origin_layer or ""),
                 ("gradtrack.first_nonfinite_stage", event.origin_stage or ""),
             ]
-        self._pending.append(_Step([], tags))
+        last = self._pending[-1] if self._pending else None
+        if last is not None and not last.metrics and last.sent == 0:
+            last.tags = list({**dict(last.tags), **dict(tags)}.items())  # a burst: one request
+        else:
+            self._pending.append(_Step([], tags))
         self._queue_upload(self._alerts_path, ALERTS_DIR)
-        self._pump(until=None)
+        self._alert_waiting = True
+        if self._send_due():
+            self._pump(until=None)
 
     def flush(self) -> None:
         """Send everything now; during an outage, try once and leave the rest buffered."""
@@ -193,8 +204,10 @@ class MlflowSink:
 
     # -- sending ---------------------------------------------------------------------------
     def _send_due(self) -> bool:
-        """``send_every_s`` has passed since the last send, or a full request is waiting."""
-        if time.monotonic() - self._last_sent >= self.options.send_every_s:
+        """``send_every_s`` has passed since the last send (an alert waits at most
+        ``_ALERT_WAIT_S``), or a full request is waiting."""
+        since = time.monotonic() - self._last_sent
+        if since >= self.options.send_every_s or (self._alert_waiting and since >= _ALERT_WAIT_S):
             return True
         unsent = 0
         for step in self._pending:
@@ -205,22 +218,25 @@ class MlflowSink:
 
     def _pump(self, until: float | None) -> None:
         """Send what is buffered; on failure back off, and wait it out only until ``until``."""
-        self._last_sent = time.monotonic()
-        while self._pending or self._uploads:
-            wait = self._retry_at - time.monotonic()
-            if wait > 0:
-                if until is None or time.monotonic() + wait > until:
-                    return
-                time.sleep(wait)
-            try:
-                self._send_next()
-            except PermanentError as exc:
-                _warn(f"MLflow refused part of gradtrack's data, which is dropped: {exc}")
-                self._drop_head()
-            except Exception as exc:  # unreachable, timed out, 5xx: keep it and retry
-                self._fail(exc)
-            else:
-                self._recovered()
+        self._alert_waiting = False
+        try:
+            while self._pending or self._uploads:
+                wait = self._retry_at - time.monotonic()
+                if wait > 0:
+                    if until is None or time.monotonic() + wait > until:
+                        return
+                    time.sleep(wait)
+                try:
+                    self._send_next()
+                except PermanentError as exc:
+                    _warn(f"MLflow refused part of gradtrack's data, which is dropped: {exc}")
+                    self._drop_head()
+                except Exception as exc:  # unreachable, timed out, 5xx: keep it and retry
+                    self._fail(exc)
+                else:
+                    self._recovered()
+        finally:
+            self._last_sent = time.monotonic()
 
     def _send_next(self) -> None:
         tracking = self._connection()

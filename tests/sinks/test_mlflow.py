@@ -147,7 +147,9 @@ def test_per_layer_series_every_layer_every_steps_and_nonfinite_steps_in_full(
     assert [s for s, _ in got["grad_max/7"]] == [0, 6, 8, 10]
 
 
-def test_steps_go_out_every_send_every_s_and_at_once_on_alert_and_flush(tmp_path: Path) -> None:
+def test_steps_go_out_every_send_every_s_alerts_within_a_second_and_at_flush(
+    tmp_path: Path,
+) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = gradtrack.GradtrackConfig(mlflow={"tracking_uri": uri, "send_every_s": 3600})
     sink = MlflowSink(config)
@@ -160,14 +162,24 @@ def test_steps_go_out_every_send_every_s_and_at_once_on_alert_and_flush(tmp_path
     sink.write(records[:1])  # the first write goes at once: the run appears
     sink.write(records[1:3])
     assert logged() == [0]  # the others wait for send_every_s, or a full request
-    event = AlertEvent(
-        step=2, wall_time=time.time(), rule="exploding", layer="fc", statistic="norm",
-        value=5.0, threshold=1.0, severity="warning", message="too big",
-    )  # fmt: skip
-    sink.alert(event)  # an alert goes at once, and takes the waiting steps with it
+    events = [
+        AlertEvent(
+            step=2, wall_time=time.time(), rule="vanishing", layer=f"layer{i}", statistic="norm",
+            value=1e-9, threshold=1e-7, severity="warning", message=f"layer{i} vanishes",
+        )
+        for i in range(300)
+    ]  # fmt: skip
+    sink.alert(events[0])  # within a second of the last send: waits, and so does the burst
+    for event in events[1:]:
+        sink.alert(event)
+    assert logged() == [0]
+    time.sleep(1.0)
+    sink.alert(events[-1])  # a second later an alert goes at once, with everything waiting
     assert logged() == [0, 1, 2]
     run = mlflow.MlflowClient(uri).get_run(sink.run_id)
-    assert run.data.tags["gradtrack.alert.last"] == "step 2: too big"
+    assert run.data.tags["gradtrack.alert.count"] == "301"
+    assert run.data.tags["gradtrack.alert.last"] == "step 2: layer299 vanishes"
+    assert len(read_alerts(sink.run_id, uri)) == 301
     sink.write(records[3:])
     assert logged() == [0, 1, 2]
     sink.flush()
