@@ -47,6 +47,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument(
+        "--layer-every", type=int, default=10,
+        help="per-layer metrics every N steps (gradtrack's default, 100, suits long runs; "
+        "this short demo writes them as often as the totals)",
+    )  # fmt: skip
+    parser.add_argument(
         "--backend", nargs="+", default=["console", "mlflow"],
         help="registered sink names (default: the console and MLflow's embedded sqlite store)",
     )  # fmt: skip
@@ -61,6 +66,7 @@ def main() -> None:
         backend=[*args.backend, memory],
         optimizer=optimizer,
         log_every=args.log_every,
+        layer_every=args.layer_every,
         console_interval_s=1.0,
         mlflow={"experiment": "gradtrack-quickstart"},
     )
