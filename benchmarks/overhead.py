@@ -13,7 +13,8 @@ time of the chunks as a ratio to ``base``; a second line gives the mean over all
 which also carries costs that come less often than once a chunk (per-layer metrics and
 histograms every 100 steps by default: the default 10 rounds of 20 steps hold two of them):
 
-- base: forward, backward, optimizer step;
+- base: forward, backward, optimizer step; "base again": the same, as a control of the
+  run's noise (it reads 1.00x only on a quiet machine);
 - floor: base + one foreach norm pass over all gradients + one host copy;
 - recipe: full backward hooks on every leaf module, ``.norm().item()`` per gradient tensor;
 - wandb.watch: ``wandb.watch(model, log="gradients", log_freq=1)``, offline, plus the
@@ -107,6 +108,7 @@ def gradtrack_variant(backend: Any = None, **options: Any) -> Setup:
 
 VARIANTS: dict[str, Setup] = {
     "base": base,
+    "base again": base,  # A/A control: how far two identical variants read apart in this run
     "floor": floor,
     "recipe": recipe,
     "wandb.watch": wandb_watch,
