@@ -163,8 +163,7 @@ class Collector:
 
 def device_flags_of(flags: Sequence[Tensor | None], device: torch.device) -> Tensor | None:
     """The flags as one float64 tensor on ``device`` (NaN where unknown); None if all unknown."""
-    known = [flag for flag in flags if flag is not None]
-    if not known:
+    if all(flag is None for flag in flags):
         return None
     nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
     return torch.cat(

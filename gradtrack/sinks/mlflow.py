@@ -87,8 +87,7 @@ class MlflowSink:
         self._first_nonfinite_logged = False
         self._reported_dropped = 0
         self._extreme_names: tuple[str, str] | None = None
-        self._layers: list[str] = []
-        self._known_layers: set[str] = set()
+        self._layers: dict[str, None] = {}  # layer names in order of first appearance
         self._retry_at = 0.0
         self._backoff_s = 0.0
         self._last_sent = -math.inf  # the first write goes out at once: the run appears
@@ -153,12 +152,11 @@ class MlflowSink:
 
     # -- buffering -------------------------------------------------------------------------
     def _buffer(self, record: StepRecord) -> None:
-        new = [layer for layer in record.layers if layer not in self._known_layers]
+        new = [layer for layer in record.layers if layer not in self._layers]
         if new:
-            self._layers.extend(new)
-            self._known_layers.update(new)
+            self._layers.update(dict.fromkeys(new))
             path = self._staging / Path(LAYERS_FILE).name
-            path.write_text(json.dumps(self._layers))
+            path.write_text(json.dumps(list(self._layers)))
             self._queue_upload(path, Path(LAYERS_FILE).parent.as_posix())
         timestamp = int(record.wall_time * 1000)
         metrics = [
