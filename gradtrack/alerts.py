@@ -26,6 +26,9 @@ class AlertEvent(BaseModel):
     forward pass (the model output was already non-finite), in the loss (the gradient reaching
     the model output was), or in backward at ``origin_layer`` (the non-finite layer nearest
     the loss).
+
+    Per-layer rules that trip in several layers at one step make one event: ``layers`` names
+    them all (depth order), ``layer``/``value``/``threshold`` are the worst of them.
     """
 
     model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
@@ -43,10 +46,13 @@ class AlertEvent(BaseModel):
     ranks: tuple[int, ...] | None = None  # DDP: ranks whose local gradient was non-finite
     origin_layer: str | None = None
     origin_stage: Stage | None = None
+    layers: tuple[str, ...] = ()  # every layer it covers (non-finite: all); () if whole-model
 
     @property
     def title(self) -> str:
         where = f" in {self.layer}" if self.layer else ""
+        if len(self.layers) > 1:
+            where += f" and {len(self.layers) - 1} more layers"
         return f"gradtrack: {self.rule}{where}"
 
 
@@ -91,7 +97,7 @@ class AlertEngine:
         events += self._jump(record)
         if math.isfinite(record.total_norm):
             self._total_norms.append(record.total_norm)
-        return events
+        return self._merge_layers(events)
 
     # -- helpers ---------------------------------------------------------------------------
     def _emit(
@@ -103,11 +109,31 @@ class AlertEngine:
             return []
         self._last_fired[(rule_name, layer)] = record.step
         fields.setdefault("severity", rule.severity)
+        fields.setdefault("layers", (layer,) if layer else ())
         event = AlertEvent(
             step=record.step, wall_time=record.wall_time, rule=rule_name, layer=layer,
             rank=self.rank, **fields,
         )  # fmt: skip
         return [event]
+
+    def _merge_layers(self, events: list[AlertEvent]) -> list[AlertEvent]:
+        """One event per rule (and severity, action) for the layers that tripped together.
+
+        A deep model whose gradient vanishes trips the rule in hundreds of layers at once;
+        that is one finding, and a tracker that notifies per alert must see it once.
+        """
+        slots: dict[tuple[str, str, str], int] = {}  # group → its place in the output
+        groups: list[list[AlertEvent]] = []
+        for event in events:
+            if event.rule == "nonfinite" or event.layer is None:
+                groups.append([event])
+                continue
+            key = (event.rule, event.severity, self.rule(event.rule, event.layer).action)
+            if key not in slots:
+                slots[key] = len(groups)
+                groups.append([])
+            groups[slots[key]].append(event)
+        return [group[0] if len(group) == 1 else _merged(group) for group in groups]
 
     # -- rules -----------------------------------------------------------------------------
     def _nonfinite(self, record: StepRecord) -> list[AlertEvent]:
@@ -160,7 +186,7 @@ class AlertEngine:
         events = self._emit(
             record, "nonfinite", origin, statistic="nan_count" if nan else "inf_count",
             value=float(nan or inf), threshold=0.0, message=message,
-            origin_layer=origin, origin_stage=stage, ranks=ranks,
+            origin_layer=origin, origin_stage=stage, ranks=ranks, layers=tuple(bad),
         )  # fmt: skip
         if events and self.first_nonfinite is None:
             self.first_nonfinite = events[0]
@@ -347,3 +373,22 @@ class AlertEngine:
             threshold=float(rule.max_skips), severity="info",
             message=f"overflow: step skipped, {change}",
         )  # fmt: skip
+
+
+_SHOWN_LAYERS = 8
+
+
+def _merged(group: list[AlertEvent]) -> AlertEvent:
+    """The events of one rule at one step as one, led by the worst layer."""
+    low_is_bad = group[0].rule in ("vanishing", "dead")
+    worst = (min if low_is_bad else max)(group, key=lambda e: e.value)
+    layers = tuple(e.layer for e in group if e.layer is not None)
+    others = [name for name in layers if name != worst.layer]
+    listed = ", ".join(others[:_SHOWN_LAYERS])
+    if len(others) > _SHOWN_LAYERS:
+        listed += f" and {len(others) - _SHOWN_LAYERS} more"
+    message = (
+        f"{worst.rule} in {len(layers)} layers at once; the worst: {worst.message} "
+        f"The others: {listed}."
+    )
+    return worst.model_copy(update={"layers": layers, "message": message})

@@ -131,20 +131,56 @@ def test_deep_sigmoid_mlp_vanishes_after_patience() -> None:
     model = nn.Sequential(*layers, nn.Linear(16, 1))
     rules = {"vanishing": {"threshold": 1e-6, "patience": 3}, "jump": {"enabled": False}}
     sink, _ = train(model, 5, inputs=lambda step: torch.randn(32, 16), alerts=rules)
+    (event,) = only(sink.events, "vanishing")  # every starving layer in one event
+    assert set(event.layers) >= {"0", "2"}  # the first layers starve
+    assert event.step == 2  # patience 3: steps 0, 1, 2
+    assert "residual connections" in event.message
+
+
+def test_layers_tripping_together_make_one_event_led_by_the_worst() -> None:
+    torch.manual_seed(0)
+    layers = [m for _ in range(40) for m in (nn.Linear(16, 16), nn.Sigmoid())]
+    model = nn.Sequential(*layers, nn.Linear(16, 1))
+    vanishing = {"threshold": 1e-3, "patience": 1, "cooldown_steps": 0}
+    rules = {"vanishing": vanishing, "jump": {"enabled": False}}
+    sink, _ = train(model, 3, lr=None, inputs=lambda step: torch.randn(32, 16), alerts=rules)
     events = only(sink.events, "vanishing")
-    assert {e.layer for e in events} >= {"0", "2"}  # the first layers starve
-    assert all(e.step == 2 for e in events)  # patience 3: steps 0, 1, 2
-    assert "residual connections" in events[0].message
+    assert [e.step for e in events] == [0, 1, 2]  # one per step, however many layers
+    event = events[0]
+    norms = dict(zip(sink.records[0].layers, sink.records[0].column("norm")))
+    starving = [name for name, norm in norms.items() if 0 < norm < 1e-3]
+    assert len(starving) > 20 and list(event.layers) == starving  # depth order
+    assert event.layer == min(starving, key=norms.__getitem__) == starving[0]
+    assert event.value == pytest.approx(norms[event.layer])
+    more = len(starving) - 1
+    assert event.title == f"gradtrack: vanishing in {event.layer} and {more} more layers"
+    assert f"vanishing in {len(starving)} layers at once" in event.message
+    assert "and " + str(len(starving) - 9) + " more" in event.message
+
+
+def test_layers_with_different_actions_stay_apart() -> None:
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Linear(16, 16), nn.Sigmoid())]
+    model = nn.Sequential(*layers, nn.Linear(16, 1))
+    rules = {
+        "vanishing": {"threshold": 1.0, "patience": 1},
+        "jump": {"enabled": False},
+        "layers": {"0": {"vanishing": {"severity": "error"}}},
+    }
+    sink, _ = train(model, 1, lr=None, inputs=lambda step: torch.randn(32, 16), alerts=rules)
+    error, warning = sorted(only(sink.events, "vanishing"), key=lambda e: e.severity)
+    assert (error.layers, error.severity) == (("0",), "error")
+    assert "0" not in warning.layers and len(warning.layers) >= 3
 
 
 def test_masked_layer_is_dead() -> None:
     model = deep_model()
     model[5].register_forward_hook(lambda module, args, out: out * 0)  # the layer's output dropped
     sink, _ = train(model, 4, alerts={"dead": {"patience": 3}})
-    events = only(sink.events, "dead")
+    (event,) = only(sink.events, "dead")
     # Zeroing 5's output starves 5 and everything upstream of it; 7 still learns.
-    assert sorted((e.layer, e.step) for e in events) == [("0", 2), ("2", 2), ("5", 2)]
-    assert "dying ReLU" in events[0].message
+    assert (event.layers, event.step, event.layer) == (("0", "2", "5"), 2, "0")
+    assert "dying ReLU" in event.message
 
 
 def test_spike_after_warmup_and_cooldown_suppresses_repeats() -> None:
@@ -159,9 +195,10 @@ def test_spike_after_warmup_and_cooldown_suppresses_repeats() -> None:
         "jump": {"enabled": False},
     }
     sink, _ = train(model, 12, lr=None, inputs=inputs, alerts=rules)
-    events = only(sink.events, "spike")
-    assert events and {e.step for e in events} == {8}  # once per layer, then cooled down
-    assert len({e.layer for e in events}) == len(events)
+    (event,) = only(sink.events, "spike")  # once for all layers, then cooled down
+    assert event.step == 8 and event.layer in event.layers
+    norms = dict(zip(sink.records[8].layers, sink.records[8].column("norm")))
+    assert event.value == pytest.approx(max(norms[name] for name in event.layers))
 
 
 def test_jump_between_adjacent_layers() -> None:

@@ -42,8 +42,8 @@ LAYERS_FILE = "gradtrack/layers.json"  # layer names in depth order, for readers
 DROPPED_KEY = "gradtrack/dropped"
 _MAX_TAG_CHARS = 5000
 # An alert goes out at once unless something was sent less than this long ago; then it
-# waits for the next write after that (a burst of alerts — hundreds of layers tripping one
-# rule at one step — becomes one request instead of one each).
+# waits for the next write after that (a burst of alerts — several rules tripping at one
+# step, or a step per batch — becomes one request instead of one each).
 _ALERT_WAIT_S = 1.0
 
 

@@ -115,6 +115,26 @@ def test_offline_run_holds_every_step_histogram_alert_and_the_users_rows(
     assert metrics["grad_norm/*"]["step_metric"] == "gradtrack/step"
 
 
+def test_a_rule_tripping_in_every_layer_is_one_alert_per_step(offline: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(60) for m in (nn.Linear(8, 8), nn.Sigmoid())])
+    memory = MemorySink()
+    vanishing = {"threshold": 1e-2, "patience": 1, "cooldown_steps": 0}
+    with gradtrack.watch(
+        model, backend=["wandb", memory], log_every=1, wandb=wandb_options(offline),
+        alerts={"vanishing": vanishing, "jump": {"enabled": False}},
+    ):  # fmt: skip
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+    wandb.teardown()
+
+    alerts = of_type(read_records(run_dirs(offline)[0]), "alert")
+    events = [e for e in memory.events if e.rule == "vanishing"]
+    assert len(events) == 3 and all(len(e.layers) > 30 for e in events)
+    assert [a["title"] for a in alerts] == [e.title for e in events]
+    assert alerts[0]["title"].endswith(f" and {len(events[0].layers) - 1} more layers")
+
+
 def test_gradtrack_starts_its_own_run_and_finishes_only_that(offline: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     config = {"wandb": wandb_options(offline, name="own-run")}
