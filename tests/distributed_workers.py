@@ -62,6 +62,9 @@ def run(rank: int, case: Case, port: int, out: Path) -> None:
         result = _train(rank, case)
         with (out / f"rank{rank}.pkl").open("wb") as f:
             pickle.dump(result, f)
+        # Both ranks done with every collective before either tears gloo down (a rank that
+        # destroys its group while the other still talks to it can abort in C++).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
