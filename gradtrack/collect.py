@@ -49,11 +49,14 @@ class Collector:
         self.local_shards = False
         self.reduce_shards: Callable[[Tensor, np.ndarray, int], Tensor] | None = None
 
-    def collect(self, with_samples: bool, flags: Sequence[Tensor | None] = ()) -> list[HostPart]:
+    def collect(
+        self, with_samples: bool, flags: Sequence[Tensor | None] = (), full: bool = True
+    ) -> list[HostPart]:
         """Reduce every present gradient; one `HostPart` per device (usually one).
 
         ``flags``, step evidence (tensors read as float64, None for unknown), ride along in
         the first part: in its host copy on an accelerator, read directly on the CPU.
+        Without ``full`` only the L2 norms and NaN/Inf counts are computed (L1 and max NaN).
         """
         # Keyed by device, dtype and reduction: on the CPU, small tensors are reduced packed
         # together (`stats.packed_norms`), larger ones per tensor (`stats.tensor_norms`).
@@ -87,7 +90,7 @@ class Collector:
                 by_device[device].append((packed, indices, grads))
             return [
                 self._reduce_device(
-                    device, group, foreach_only[device], with_samples, flags if i == 0 else ()
+                    device, group, foreach_only[device], with_samples, flags if i == 0 else (), full
                 )
                 for i, (device, group) in enumerate(by_device.items())
             ]
@@ -99,10 +102,13 @@ class Collector:
         foreach_only: bool,
         with_samples: bool,
         flags: Sequence[Tensor | None],
+        full: bool,
     ) -> HostPart:
         stats, samples, all_grads = [], [], []
         for packed, indices, grads in groups:
-            group_stats = packed_norms(grads) if packed else tensor_norms(grads, foreach_only)
+            group_stats = (
+                packed_norms(grads, full) if packed else tensor_norms(grads, foreach_only, full)
+            )
             if foreach_only:
                 group_stats[:, 3:] = nonfinite_counts(grads)
             stats.append(group_stats)

@@ -157,8 +157,9 @@ class GradtrackConfig(BaseModel):
         description="Write the per-layer metrics (layer_metrics, activation norms) on the "
         "first logged step of every N steps; the grad/ totals and per-layer NaN/Inf counts go "
         "out at every logged step, and a step with a non-finite gradient or an alert is "
-        "written in full. 1: per-layer metrics at every logged step. Alerts always see every "
-        "logged step.",
+        "written in full. Max and mean |g| are computed on those first steps only (two more "
+        "passes over every gradient). 1: everything at every logged step. Alerts always see "
+        "every logged step.",
     )
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."

@@ -31,6 +31,8 @@ LAYER_KEY_PREFIX = {
     "rms": "grad_rms",
 }
 NONFINITE_KEY_PREFIX = {"nan": "grad_nan", "inf": "grad_inf"}
+# Computed only on the steps that write per-layer metrics (see `StepRecord.abs_stats`).
+ABS_STATS = ("max_abs", "mean_abs")
 ACTIVATION_KEY_PREFIX = "act_grad_norm"
 # With ``distributed.gather_ranks``: grad_norm_rank<r>/<layer>, rank r's local gradient.
 RANK_KEY_PREFIX = "grad_norm_rank"
@@ -79,6 +81,9 @@ class StepRecord:
     # Whether sinks write the per-layer metrics at this step (``layer_every``); the grad/
     # totals and non-zero NaN/Inf counts are written at every logged step.
     per_layer: bool = True
+    # Whether max |g| and mean |g| were computed (on the steps ``layer_every`` makes per-layer:
+    # they cost two more passes over every gradient); NaN in ``stats`` otherwise.
+    abs_stats: bool = True
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -170,6 +175,8 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     if not record.per_layer:
         return metrics
     for stat in record.layer_metrics:
+        if stat in ABS_STATS and not record.abs_stats:
+            continue
         prefix = LAYER_KEY_PREFIX[stat]
         for layer, value in zip(record.layers, record.column(stat).tolist()):
             metrics[metric_key(prefix, layer, model)] = value

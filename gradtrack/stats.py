@@ -80,48 +80,65 @@ class HostPart:
         return self.buffer.numpy()[self._float64_words :]
 
 
-def tensor_norms(grads: list[Tensor], foreach_only: bool = True) -> Tensor:
+def tensor_norms(grads: list[Tensor], foreach_only: bool = True, full: bool = True) -> Tensor:
     """[len(grads), 5] float64: L2 norm, L1 norm, max |g|, then zeros for the NaN/Inf counts.
 
     ``grads`` share one device and dtype, and none is empty. fp16/bf16 accumulate in fp32.
-    NaN anywhere makes all three norms NaN; ±Inf without NaN makes L2 and max Inf.
+    NaN anywhere makes the norms NaN; ±Inf without NaN makes L2 and max Inf.
     ``foreach_only`` keeps the kernel count independent of ``len(grads)`` (what accelerators
     need). Without it (CPU), max |g| comes from one min/max pass per tensor (~8x faster than
     CPU's max-norm kernel); `packed_norms` is the CPU path for many small tensors.
+    Without ``full`` only L2 is computed (one pass instead of three); L1 and max are NaN.
 
     >>> tensor_norms([torch.tensor([3.0, -4.0])])
     tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
     >>> tensor_norms([torch.tensor([3.0, -4.0])], foreach_only=False)
     tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
+    >>> tensor_norms([torch.tensor([3.0, -4.0])], full=False)
+    tensor([[5., nan, nan, 0., 0.]], dtype=torch.float64)
     """
     accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
-    l2 = torch._foreach_norm(grads, 2, dtype=accumulate)
+    l2 = torch.stack(torch._foreach_norm(grads, 2, dtype=accumulate)).double()
+    if not full:
+        return _rows(l2)
     l1 = torch._foreach_norm(grads, 1, dtype=accumulate)
     if foreach_only:
         linf = torch.stack(torch._foreach_norm(grads, math.inf, dtype=accumulate))
     else:  # NaN propagates through aminmax and maximum, as through the max-norm.
         low, high = zip(*(torch.aminmax(g) for g in grads))
         linf = torch.maximum(torch.stack(high), torch.stack(low).neg())
-    columns = [torch.stack(l2).double(), torch.stack(l1).double(), linf.double()]
-    zeros = linf.new_zeros(len(grads), dtype=torch.float64)
-    return torch.stack([*columns, zeros, zeros], dim=1)
+    return _rows(l2, torch.stack(l1).double(), linf.double())
 
 
-def packed_norms(grads: list[Tensor]) -> Tensor:
+def packed_norms(grads: list[Tensor], full: bool = True) -> Tensor:
     """Many small tensors at once: per-tensor overheads (a stack costs ~2 µs per tensor)
     dominate them, so copy them into one fp64 buffer and reduce it by segments.
 
     >>> packed_norms([torch.tensor([3.0, -4.0]), torch.tensor([[-2.0]])])
     tensor([[5., 7., 4., 0., 0.],
             [2., 2., 2., 0., 0.]], dtype=torch.float64)
+    >>> packed_norms([torch.tensor([3.0, -4.0])], full=False)
+    tensor([[5., nan, nan, 0., 0.]], dtype=torch.float64)
     """
-    # One C++ call flattens and concatenates (DDP's bucketing uses the same helper).
-    absolute = _flatten_dense_tensors(grads).double().abs_()
-    lengths = torch.tensor([g.numel() for g in grads], device=absolute.device)
+    # One C++ call flattens and concatenates (DDP's bucketing uses the same helper). It
+    # returns a single tensor's own storage: copy, since the reductions below work in place.
+    flat = _flatten_dense_tensors(grads).to(torch.float64, copy=True)
+    lengths = torch.tensor([g.numel() for g in grads], device=flat.device)
+    if not full:
+        squares = flat.square_()
+        return _rows(torch.segment_reduce(squares, "sum", lengths=lengths, unsafe=True).sqrt_())
+    absolute = flat.abs_()
     l1 = torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True)
     linf = torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
     l2 = torch.segment_reduce(absolute.square_(), "sum", lengths=lengths, unsafe=True).sqrt_()
+    return _rows(l2, l1, linf)
+
+
+def _rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) -> Tensor:
+    """Per-tensor rows from float64 columns; L1 and max NaN when not computed."""
     zeros = torch.zeros_like(l2)
+    if l1 is None or linf is None:
+        l1 = linf = torch.full_like(l2, math.nan)
     return torch.stack([l2, l1, linf, zeros, zeros], dim=1)
 
 
@@ -195,7 +212,7 @@ def fill_nonfinite_counts(stats: np.ndarray, grads: list[Tensor]) -> None:
 
     On finite steps this is one numpy check; CPU tensors need no device synchronisation.
     """
-    bad = np.flatnonzero(~(np.isfinite(stats[:, L2]) & np.isfinite(stats[:, LINF])))
+    bad = np.flatnonzero(~np.isfinite(stats[:, L2]))  # any NaN/Inf element makes L2 so
     if len(bad) == 0:
         return
     counts = torch.stack(

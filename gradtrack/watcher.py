@@ -101,6 +101,7 @@ class Watcher:
             ranks=self.ranks,
         )
         self.step = 0
+        self._last_layer_window = -1
         self.collect_errors = 0
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
@@ -235,7 +236,7 @@ class Watcher:
         logged, with_samples = self._is_due(step)
         if not (logged or with_samples):
             return
-        pending = self._collect(step, with_samples, backward_order)
+        pending = self._collect(step, with_samples, backward_order, self._per_layer_due(step))
         if not self._raise_on_alert:
             if pending is not None:
                 self.mailbox.put_step(pending)
@@ -252,11 +253,20 @@ class Watcher:
         if error is not None:
             raise error
 
+    def _per_layer_due(self, step: int) -> bool:
+        """The first logged step in each window of ``layer_every`` steps."""
+        window = step // self.config.layer_every
+        if window == self._last_layer_window:
+            return False
+        self._last_layer_window = window
+        return True
+
     def _collect(
-        self, step: int, with_samples: bool, backward_order: list[int] | None
+        self, step: int, with_samples: bool, backward_order: list[int] | None, per_layer: bool
     ) -> PendingStep | None:
         """Launch the step's reductions and its copy to the host; None if this rank hands
-        nothing to a worker (another rank writes, or collecting failed)."""
+        nothing to a worker (another rank writes, or collecting failed). Max and mean |g| are
+        computed only on ``per_layer`` steps: they cost two more passes over every gradient."""
         try:
             ranks_local = None
             if self._local_probe is not None and self.ranks is not None:
@@ -266,7 +276,7 @@ class Watcher:
                 if self.ranks.rank != 0:
                     return None
             evidence, activation_order = self._evidence(ranks_local)
-            parts = self.collector.collect(with_samples, evidence)
+            parts = self.collector.collect(with_samples, evidence, full=per_layer)
         except Exception as exc:  # watching must never crash training
             self.collect_errors += 1
             if self.collect_errors == 1:
@@ -278,7 +288,9 @@ class Watcher:
             return None
         if not parts or (self.ranks is not None and self.ranks.rank != 0):
             return None  # (sharded: this rank's shard rows went into rank 0's)
-        return PendingStep(step, time.time(), parts, backward_order, activation_order)
+        return PendingStep(
+            step, time.time(), parts, backward_order, activation_order, per_layer=per_layer
+        )
 
     def _evaluate_now(self, pending: PendingStep | None) -> GradientAlertError | None:
         """A "raise" rule must see the step before the optimizer applies it: wait for the

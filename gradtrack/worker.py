@@ -38,6 +38,8 @@ class PendingStep:
     parts: list[HostPart]
     backward_order: list[int] | None = None  # layer indices, once learnt
     activation_order: list[int] | None = None  # activation modules, as their grads arrived
+    # Sinks write its per-layer metrics (``layer_every``), and max/mean |g| were computed.
+    per_layer: bool = True
     evaluated: threading.Event | None = None  # set once alert rules have seen the step
 
 
@@ -136,8 +138,6 @@ class Worker:
         self._activation_names = tuple(activation_names)
         self._model_name = config.model_name
         self._layer_metrics = tuple(config.layer_metrics)
-        self._layer_every = config.layer_every
-        self._last_layer_window = -1
         self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
         self._gather_ranks = config.distributed.gather_ranks
         self._layer_position = {name: i for i, name in enumerate(collector.layer_names)}
@@ -247,19 +247,12 @@ class Worker:
             histograms=self._histograms(pending.parts),
             model_name=self._model_name,
             layer_metrics=self._layer_metrics,
-            per_layer=self._per_layer_due(pending.step),
+            per_layer=pending.per_layer,
+            abs_stats=pending.per_layer,
             **_evidence(flags[:5]),
             **self._activations(activation_flags, pending.activation_order or []),
             **self._ranks(flags[5 + n_activations :], layers),
         )
-
-    def _per_layer_due(self, step: int) -> bool:
-        """The first logged step in each window of ``layer_every`` steps."""
-        window = step // self._layer_every
-        if window == self._last_layer_window:
-            return False
-        self._last_layer_window = window
-        return True
 
     def _ranks(self, local_norms: np.ndarray, layers: tuple[str, ...]) -> dict[str, Any]:
         """Replicated ranks' local (pre-all-reduce) gradients: who went non-finite, and with

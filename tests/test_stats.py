@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -15,6 +16,7 @@ from gradtrack.stats import PACK_BELOW_ELEMENTS
 from tests.conftest import assert_record_matches, reference_stats
 
 COUNT_STRATEGIES = {"foreach_only": True, "cpu_kernels": False}
+PER_LAYER = pytest.mark.parametrize("per_layer", [True, False], ids=["per_layer", "l2_only"])
 
 
 def one_step(
@@ -22,21 +24,31 @@ def one_step(
     loss_fn: Callable[[nn.Module], torch.Tensor],
     foreach_only: bool = False,
     before_step: Callable[[nn.Module], None] | None = None,
+    per_layer: bool = True,
     **overrides: object,
 ) -> StepRecord:
-    """Backward once, optionally tamper with the gradients, then one optimizer step."""
+    """Backward once, optionally tamper with the gradients, then one optimizer step.
+
+    ``per_layer=False``: the step measured is the second, which computes no max/mean |g|
+    (``layer_every`` is 100), after an untouched first one."""
     sink = MemorySink()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     with gradtrack.watch(
         model, backend=sink, optimizer=optimizer, log_every=1, **overrides
     ) as watcher:
         watcher.collector.foreach_only = foreach_only
+        if not per_layer:
+            loss_fn(model).backward()
+            optimizer.step()
+            optimizer.zero_grad()
         loss_fn(model).backward()
         if before_step is not None:
             before_step(model)
         optimizer.step()
-    assert len(sink.records) == 1
-    return sink.records[0]
+    assert len(sink.records) == (1 if per_layer else 2)
+    record = sink.records[-1]
+    assert record.abs_stats == per_layer
+    return record
 
 
 def mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -62,23 +74,25 @@ def expected_by_module(model: nn.Module, names: list[str]) -> dict[str, dict[str
     }
 
 
+@PER_LAYER
 @pytest.mark.parametrize("strategy", COUNT_STRATEGIES)
 @pytest.mark.parametrize(
     ("dtype", "rtol"),
     [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)],
 )
 def test_statistics_match_reference_per_dtype(
-    dtype: torch.dtype, rtol: float, strategy: str
+    dtype: torch.dtype, rtol: float, strategy: str, per_layer: bool
 ) -> None:
     model = mlp(dtype)
-    record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy])
+    record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy], per_layer=per_layer)
     assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]), rtol=rtol)
     total = reference_stats(p.grad for p in model.parameters())["norm"]
     assert record.total_norm == pytest.approx(total, rel=rtol)
 
 
+@PER_LAYER
 @pytest.mark.parametrize("strategy", COUNT_STRATEGIES)
-def test_large_and_small_tensors_together(strategy: str) -> None:
+def test_large_and_small_tensors_together(strategy: str, per_layer: bool) -> None:
     # On CPU, tensors of PACK_BELOW_ELEMENTS and more take another path than the small ones.
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -91,7 +105,7 @@ def test_large_and_small_tensors_together(strategy: str) -> None:
         m[4].weight.grad[1, 0] = float("inf")
 
     loss = lambda m: m(torch.randn(16, 8, generator=torch.Generator().manual_seed(1))).pow(2).mean()  # noqa: E731
-    record = one_step(model, loss, COUNT_STRATEGIES[strategy], before_step=inject)
+    record = one_step(model, loss, COUNT_STRATEGIES[strategy], inject, per_layer)
     assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]), rtol=1e-5)
     assert (record.nan_count, record.inf_count) == (3, 1)
 
@@ -107,6 +121,18 @@ def test_fp16_gradients_whose_norm_overflows_fp16_are_reduced_in_fp32() -> None:
     )
     assert record.column("norm")[0] == pytest.approx(60000.0 * 1000**0.5, rel=1e-3)
     assert record.column("inf")[0] == 0
+
+
+def test_a_lone_float64_gradient_is_left_as_it_was() -> None:
+    # A group of one small tensor: its packed copy must not be the gradient's own storage.
+    model = nn.Linear(4, 1, bias=False).double()
+    seen: list[torch.Tensor] = []
+    x = torch.tensor([[1.0, -2.0, 3.0, -4.0]], dtype=torch.float64)
+    record = one_step(model, lambda m: m(x).sum(), before_step=lambda m: seen.append(
+        m.weight.grad.clone()
+    ))  # fmt: skip
+    assert torch.equal(model.weight.grad, seen[0]) and torch.equal(seen[0], x)
+    assert record.column("max_abs")[0] == 4.0
 
 
 def test_frozen_parameters_are_skipped() -> None:
@@ -190,8 +216,9 @@ def test_sparse_embedding_is_summarised_as_its_dense_gradient(strategy: str) -> 
     assert record.column("numel")[0] == 200
 
 
+@PER_LAYER
 @pytest.mark.parametrize("strategy", COUNT_STRATEGIES)
-def test_injected_nan_and_inf_are_counted_exactly(strategy: str) -> None:
+def test_injected_nan_and_inf_are_counted_exactly(strategy: str, per_layer: bool) -> None:
     model = mlp()
 
     def inject(m: nn.Module) -> None:
@@ -201,12 +228,13 @@ def test_injected_nan_and_inf_are_counted_exactly(strategy: str) -> None:
         m[4].weight.grad[0, :2] = float("nan")
         m[4].bias.grad[0] = float("inf")
 
-    record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy], before_step=inject)
+    record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy], inject, per_layer)
     stats = record.layer_stats()
     assert (stats["0"].nan, stats["0"].inf) == (3, 0)
     assert (stats["2"].nan, stats["2"].inf) == (0, 3)
     assert (stats["4"].nan, stats["4"].inf) == (2, 1)
-    assert stats["2"].norm == float("inf") and stats["2"].max_abs == float("inf")
+    assert stats["2"].norm == float("inf")
+    assert stats["2"].max_abs == float("inf") if per_layer else math.isnan(stats["2"].max_abs)
     assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]))
     assert record.nan_count == 5 and record.inf_count == 4
 

@@ -15,7 +15,10 @@ from gradtrack.record import StepRecord
 
 
 def format_table(record: StepRecord) -> str:
-    """The step as a table: layer, size, L2 norm, max |g|, mean |g|, NaN and Inf counts."""
+    """The step as a table: layer, size, L2 norm, max |g|, mean |g|, NaN and Inf counts.
+
+    Max and mean |g| read "-" on steps that did not compute them (see ``layer_every``).
+    """
     width = max([5, *(len(name) for name in record.layers)])
     extremes = record.extreme_layers()
     flow = ""
@@ -29,9 +32,14 @@ def format_table(record: StepRecord) -> str:
     ]
     for name, stats in record.layer_stats().items():
         flag = "  <- non-finite" if stats.nan or stats.inf else ""
+        max_abs, mean_abs = (
+            (f"{stats.max_abs:>10.3e}", f"{stats.mean_abs:>10.3e}")
+            if record.abs_stats
+            else (f"{'-':>10}", f"{'-':>10}")
+        )
         lines.append(
-            f"  {name:<{width}}  {stats.numel:>10}  {stats.norm:>10.3e}  {stats.max_abs:>10.3e}"
-            f"  {stats.mean_abs:>10.3e}  {stats.nan:>6}  {stats.inf:>6}{flag}"
+            f"  {name:<{width}}  {stats.numel:>10}  {stats.norm:>10.3e}  {max_abs}"
+            f"  {mean_abs}  {stats.nan:>6}  {stats.inf:>6}{flag}"
         )
     return "\n".join(lines)
 

@@ -33,6 +33,13 @@ def test_table_lists_every_layer_with_norm_max_and_nonfinite_counts() -> None:
     assert [line.split()[:2] for line in lines[2:]] == [["0", "20"], ["2", "5"]]
 
 
+def test_max_and_mean_read_dash_on_steps_that_did_not_compute_them() -> None:
+    tables = run(interval_s=0.0, steps=2).split("gradtrack step ")[1:]
+    first, second = ([line.split() for line in t.splitlines()[2:]] for t in tables)
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in first)  # layer_every: 0
+    assert all(row[3:5] == ["-", "-"] and float(row[2]) > 0 for row in second)
+
+
 def test_rate_limit_shows_first_first_nonfinite_and_last_step_only() -> None:
     output = run(interval_s=3600.0, steps=30, nan_at=12)
     headers = [line for line in output.splitlines() if line.startswith("gradtrack step")]
