@@ -58,11 +58,13 @@ class Collector:
         the first part: in its host copy on an accelerator, read directly on the CPU.
         Without ``full`` only the L2 norms and NaN/Inf counts are computed (L1 and max NaN).
         """
-        # Keyed by device, dtype and reduction: on the CPU, small tensors are reduced packed
-        # together (`stats.packed_norms`), larger ones per tensor (`stats.tensor_norms`).
+        # Keyed by device, dtype and reduction: on the CPU, the full statistics of small
+        # tensors are reduced packed together (`stats.packed_norms`), the rest per tensor
+        # (`stats.tensor_norms`; for L2 alone one foreach call is cheaper than packing).
         groups: dict[tuple[torch.device, torch.dtype, bool], tuple[list[int], list[Tensor]]]
         groups = defaultdict(lambda: ([], []))
         foreach_only: dict[torch.device, bool] = {}
+        pack_below = PACK_BELOW_ELEMENTS if full else 0
         with torch.no_grad():
             for i, param in enumerate(self.params):
                 grad = param.grad
@@ -73,14 +75,15 @@ class Collector:
                 if grad.is_sparse:
                     # The dense gradient's statistics: implicit zeros add nothing to the sums.
                     grad = grad.coalesce()._values()
-                if grad.numel() == 0:
+                numel = grad.numel()
+                if numel == 0:
                     grad = self._placeholder(grad)
                 device = grad.device
                 if device not in foreach_only:
                     foreach_only[device] = (
                         device.type != "cpu" if self.foreach_only is None else self.foreach_only
                     )
-                packed = not foreach_only[device] and grad.numel() < PACK_BELOW_ELEMENTS
+                packed = numel < pack_below and not foreach_only[device]
                 indices, grads = groups[(device, grad.dtype, packed)]
                 indices.append(i)
                 grads.append(grad)
