@@ -125,12 +125,13 @@ def test_a_rule_tripping_in_every_layer_is_one_alert_per_step(offline: Path) -> 
         alerts={"vanishing": vanishing, "jump": {"enabled": False}},
     ):  # fmt: skip
         for _ in range(3):
+            model.zero_grad()
             model(torch.randn(4, 8)).sum().backward()
     wandb.teardown()
 
     alerts = of_type(read_records(run_dirs(offline)[0]), "alert")
     events = [e for e in memory.events if e.rule == "vanishing"]
-    assert len(events) == 3 and all(len(e.layers) > 30 for e in events)
+    assert len(events) == 3 and all(len(e.layers) > 10 for e in events)
     assert [a["title"] for a in alerts] == [e.title for e in events]
     assert alerts[0]["title"].endswith(f" and {len(events[0].layers) - 1} more layers")
 
