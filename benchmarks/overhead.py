@@ -19,7 +19,9 @@ histograms every 100 steps by default: the default 10 rounds of 20 steps hold tw
 - recipe: full backward hooks on every leaf module, ``.norm().item()`` per gradient tensor;
 - wandb.watch: ``wandb.watch(model, log="gradients", log_freq=1)``, offline, plus the
   ``run.log`` per step that commits what it staged;
-- gradtrack summaries / + histograms every step (memory sink), gradtrack defaults with the
+- gradtrack summaries / + histograms every step (memory sink; per-layer max and mean |g|
+  on the ``layer_every`` steps, 100 by default), "summaries,all": every statistic of every
+  layer at every step (``layer_every=1``), gradtrack defaults with the
   MLflow sink (local sqlite), also with one key per layer (``layer_metrics=["norm"]``),
   gradtrack with ``activations=True`` (every step).
 """
@@ -113,6 +115,8 @@ VARIANTS: dict[str, Setup] = {
     "recipe": recipe,
     "wandb.watch": wandb_watch,
     "summaries": gradtrack_variant(log_every=1, hist_every=None),
+    # Every statistic of every layer at every step (max and mean |g| too: three passes).
+    "summaries,all": gradtrack_variant(log_every=1, hist_every=None, layer_every=1),
     "+histograms": gradtrack_variant(log_every=1, hist_every=1),
     "defaults+mlflow": gradtrack_variant(backend="mlflow"),
     "defaults+mlflow,norms": gradtrack_variant(backend="mlflow", layer_metrics=("norm",)),
