@@ -4,8 +4,9 @@
     python -m benchmarks.scaling params       # overhead vs parameter count
     python -m benchmarks.scaling memory       # RSS over 20,000 logged steps, slow sink
 
-Overheads are median step times with gradtrack summaries every step (memory sink) as a
-ratio to no monitoring, both variants round-robin in one process.
+Overheads are median step times as a ratio to no monitoring, the variants round-robin in
+one process: the floor (one foreach L2 pass over every gradient) and gradtrack summaries
+every step (memory sink; max and mean |g| on the ``layer_every`` steps).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from gradtrack.sinks import MemorySink
 
 def _ratio(
     make: Callable[[], tuple[nn.Module, torch.Tensor]], rounds: int, steps: int
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
+    """(base ms, floor / base, summaries / base): median step times, round-robin."""
     torch.manual_seed(0)
     template, inputs = make()
     runs = {}
-    for name in ("base", "summaries"):
+    for name in ("base", "floor", "summaries"):
         model = copy.deepcopy(template)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
         watcher = None
@@ -42,11 +44,14 @@ def _ratio(
             )
         runs[name] = (model, optimizer, watcher, [])
     for round_ in range(rounds + 1):
-        for model, optimizer, _, times in runs.values():
+        for name, (model, optimizer, _, times) in runs.items():
+            grads = list(model.parameters())
             for _ in range(steps):
                 start = time.perf_counter()
                 optimizer.zero_grad()
                 model(inputs).pow(2).mean().backward()
+                if name == "floor":  # one L2 pass over every gradient, one result tensor
+                    torch.stack(torch._foreach_norm([p.grad for p in grads], 2)).double()
                 optimizer.step()
                 if round_:  # the first round warms up
                     times.append(time.perf_counter() - start)
@@ -54,33 +59,34 @@ def _ratio(
         if watcher is not None:
             watcher.close()
     base = statistics.median(runs["base"][3])
-    return base * 1e3, statistics.median(runs["summaries"][3]) / base
+    floor, summaries = (statistics.median(runs[n][3]) / base for n in ("floor", "summaries"))
+    return base * 1e3, floor, summaries
 
 
 def tensors(counts: Sequence[int] = (100, 500, 1000, 2000, 5000)) -> None:
-    print("parameter tensors | parameters | base ms | summaries every step")
+    print("parameter tensors | parameters | base ms | floor | summaries every step")
     for count in counts:
 
         def make(count: int = count) -> tuple[nn.Module, torch.Tensor]:
             model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(count // 2)])
             return model, torch.randn(8, 16)
 
-        base_ms, ratio = _ratio(make, rounds=5, steps=4)
+        base_ms, floor, ratio = _ratio(make, rounds=15, steps=4)
         params = (count // 2) * (16 * 16 + 16)
-        print(f"{count} | {params:,} | {base_ms:.1f} | {ratio:.3f}x", flush=True)
+        print(f"{count} | {params:,} | {base_ms:.1f} | {floor:.3f}x | {ratio:.3f}x", flush=True)
 
 
 def params(widths: Sequence[int] = (64, 256, 1024, 2048)) -> None:
-    print("width | parameters (8 Linear layers, 16 tensors) | base ms | summaries every step")
+    print("width | parameters (8 Linear layers) | base ms | floor | summaries every step")
     for width in widths:
 
         def make(width: int = width) -> tuple[nn.Module, torch.Tensor]:
             model = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
             return model, torch.randn(64, width)
 
-        base_ms, ratio = _ratio(make, rounds=5, steps=4)
+        base_ms, floor, ratio = _ratio(make, rounds=15, steps=4)
         count = 8 * (width * width + width)
-        print(f"{width} | {count:,} | {base_ms:.1f} | {ratio:.3f}x", flush=True)
+        print(f"{width} | {count:,} | {base_ms:.1f} | {floor:.3f}x | {ratio:.3f}x", flush=True)
 
 
 class SlowSink:
