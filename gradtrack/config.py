@@ -156,10 +156,10 @@ class GradtrackConfig(BaseModel):
         100,
         description="Write the per-layer metrics (layer_metrics, activation norms) on the "
         "first logged step of every N steps; the grad/ totals and per-layer NaN/Inf counts go "
-        "out at every logged step, and a step with a non-finite gradient or an alert is "
-        "written in full. Max and mean |g| are computed on those first steps only (two more "
-        "passes over every gradient). 1: everything at every logged step. Alerts always see "
-        "every logged step.",
+        "out at every logged step, and the first step in each window with a non-finite "
+        "gradient or an alert is written in full. Max and mean |g| are computed on the "
+        "window's first steps only (two more passes over every gradient). 1: everything at "
+        "every logged step. Alerts always see every logged step.",
     )
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."

@@ -138,6 +138,8 @@ class Worker:
         self._activation_names = tuple(activation_names)
         self._model_name = config.model_name
         self._layer_metrics = tuple(config.layer_metrics)
+        self._layer_every = config.layer_every
+        self._last_bad_window = -1  # the last layer_every window with a step worth a look
         self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
         self._gather_ranks = config.distributed.gather_ranks
         self._layer_position = {name: i for i, name in enumerate(collector.layer_names)}
@@ -185,8 +187,8 @@ class Worker:
                 self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
             record = self.build_record(pending)
             step_events = list(self.alert_engine.evaluate(record))
-            if not record.per_layer and (step_events or record.nan_count or record.inf_count):
-                record = replace(record, per_layer=True)  # the steps to look at
+            if step_events or record.nan_count or record.inf_count:
+                record = self._first_bad_in_full(record)
             records.append(record)
             for event in step_events:
                 events.append(event)
@@ -198,6 +200,16 @@ class Worker:
         finally:
             if pending.evaluated is not None:
                 pending.evaluated.set()
+
+    def _first_bad_in_full(self, record: StepRecord) -> StepRecord:
+        """The first step in each ``layer_every`` window that was non-finite or raised an
+        alert is written with its per-layer metrics (the step to look at). Only the first:
+        a model tripping a rule at every step would otherwise write every layer every step."""
+        window = record.step // self._layer_every
+        if window == self._last_bad_window:
+            return record
+        self._last_bad_window = window
+        return record if record.per_layer else replace(record, per_layer=True)
 
     def _act(self, event: AlertEvent) -> None:
         action = self.alert_engine.rule(event.rule, event.layer).action

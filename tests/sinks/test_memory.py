@@ -61,3 +61,21 @@ def test_layer_every_windows_need_not_align_with_log_every() -> None:
     ]  # fmt: skip
     assert [step for step, _ in sink.scalars()["grad_max/0"]] == [0, 6, 12, 15]
     assert len(sink.scalars()["grad/total_norm"]) == 6
+
+
+def test_only_the_first_bad_step_of_each_window_is_written_in_full() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    sink = MemorySink()
+    optimizer = NoUpdate(model.parameters())
+    with gradtrack.watch(model, sink, optimizer, log_every=1, layer_every=10, hist_every=None):
+        for step in range(25):
+            optimizer.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            if step in (3, 4, 5, 10, 11, 17, 18):
+                model[2].bias.grad[0] = float("nan")
+            optimizer.step()
+    # Window [0, 10): step 0, then the first NaN step 3 (4 and 5 are not); window [10, 20):
+    # step 10, which is also its first NaN step, so 11 is not, nor 17; window [20, 30): 20.
+    written = [r.step for r in sink.records if r.per_layer]
+    assert written == [0, 3, 10, 20]
+    assert [s for s, _ in sink.scalars()["grad_nan/2"]] == [3, 4, 5, 10, 11, 17, 18]
