@@ -21,6 +21,7 @@ from gradtrack.stats import (
     fill_nonfinite_counts,
     nonfinite_counts,
     packed_norms,
+    sample_bounds,
     sample_elements,
     tensor_norms,
 )
@@ -39,6 +40,7 @@ class Collector:
         self.sample_counts = _split_sample_budget(layers, sample_size)
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
         self._placeholders: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.host_transfers = 0
         # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
@@ -116,8 +118,9 @@ class Collector:
                 group_stats[:, 3:] = nonfinite_counts(grads)
             stats.append(group_stats)
             if with_samples:
-                counts = self.sample_counts[indices]
-                samples.append(sample_elements(grads, counts.tolist(), self._generator(device)))
+                counts = self.sample_counts[indices].tolist()
+                bounds = self._sample_bounds(device, indices, grads, counts)
+                samples.append(sample_elements(grads, counts, self._generator(device), bounds))
             all_grads.extend(grads)
         tensor_index = np.concatenate([np.asarray(indices) for _, indices, _ in groups])
         rows = torch.cat(stats) if len(stats) > 1 else stats[0]
@@ -154,6 +157,18 @@ class Collector:
             ready=ready,
             n_flags=0 if device_flags is None else device_flags.numel(),
         )
+
+    def _sample_bounds(
+        self, device: torch.device, indices: list[int], grads: list[Tensor], counts: list[int]
+    ) -> Tensor:
+        """`stats.sample_bounds` for this set of tensors, kept on the device across steps
+        (a copy to an accelerator every step would wait for it)."""
+        key = (device, np.asarray(indices).tobytes(), tuple(g.numel() for g in grads))
+        if key not in self._bounds:
+            if len(self._bounds) >= 8:
+                self._bounds.clear()
+            self._bounds[key] = sample_bounds(grads, counts, device)
+        return self._bounds[key]
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

@@ -173,22 +173,44 @@ def _chunks(tensors: Sequence[Tensor], max_elements: int) -> list[list[Tensor]]:
     return chunks
 
 
+def sample_bounds(grads: Sequence[Tensor], counts: Sequence[int], device: torch.device) -> Tensor:
+    """For each element `sample_elements` draws, the size of the tensor it is drawn from
+    (float64, on ``device``): one tensor for a step's draws, built once per layout.
+
+    >>> sample_bounds([torch.zeros(10), torch.zeros(2), torch.zeros(5)], [3, 4, 2], "cpu")
+    tensor([10., 10., 10.,  5.,  5.], dtype=torch.float64)
+    """
+    drawn = [(g.numel(), c) for g, c in zip(grads, counts) if 0 < c < g.numel()]
+    sizes = np.repeat([n for n, _ in drawn], [c for _, c in drawn]).astype(np.float64)
+    return torch.from_numpy(sizes).to(device)
+
+
 def sample_elements(
-    grads: Sequence[Tensor], counts: Sequence[int], generator: torch.Generator
+    grads: Sequence[Tensor], counts: Sequence[int], generator: torch.Generator, bounds: Tensor
 ) -> Tensor:
     """float32 samples, ``counts[i]`` elements drawn with replacement from ``grads[i]``.
 
-    A tensor with no more elements than its count gives all of them. Uses only ``generator``,
-    so the training process's own random state is untouched.
+    A tensor with no more elements than its count gives all of them. All draws come from one
+    uniform tensor scaled by ``bounds`` (`sample_bounds`), so the kernels per step do not
+    grow with the number of tensors beyond one gather each. Uses only ``generator``, so the
+    training process's own random state is untouched.
     """
+    pieces: list[Tensor] = []
+    if len(bounds):
+        draws = torch.rand(
+            len(bounds), generator=generator, dtype=torch.float64, device=bounds.device
+        )
+        # u < 1 keeps u * n below n; the minimum guards an index a device could not recover.
+        index = torch.minimum(draws.mul_(bounds), bounds - 1).long()
+        pieces = list(index.split([c for g, c in zip(grads, counts) if 0 < c < g.numel()]))
     picked = []
+    drawn = iter(pieces)
     for grad, count in zip(grads, counts):
         flat = grad.reshape(-1)
         if count >= flat.numel():
             picked.append(flat)
         elif count > 0:
-            index = torch.randint(flat.numel(), (count,), generator=generator, device=flat.device)
-            picked.append(flat[index])
+            picked.append(flat.index_select(0, next(drawn)))
     if not picked:
         return torch.empty(0, dtype=torch.float32, device=grads[0].device)
     return torch.cat(picked).to(torch.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from torch import nn
 import gradtrack
 from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink
-from gradtrack.stats import PACK_BELOW_ELEMENTS
+from gradtrack.stats import PACK_BELOW_ELEMENTS, sample_bounds, sample_elements
 from tests.conftest import assert_record_matches, reference_stats
 
 COUNT_STRATEGIES = {"foreach_only": True, "cpu_kernels": False}
@@ -246,3 +247,27 @@ def test_parameter_granularity_names_each_parameter() -> None:
     assert record.layers == tuple(names)
     params = dict(model.named_parameters())
     assert_record_matches(record, {n: reference_stats([params[n].grad]) for n in names})
+
+
+def test_samples_come_uniformly_from_each_tensor_in_turn() -> None:
+    grads = [
+        torch.arange(0.0, 100.0),  # 30 of 100 drawn
+        torch.arange(1000.0, 1003.0),  # 5 asked, 3 elements: all three, once each
+        torch.arange(0.0, 100_000.0).reshape(100, 1000) + 1e6,  # 20,000 of 100,000 drawn
+    ]
+    counts = [30, 5, 20_000]
+    generator = torch.Generator().manual_seed(0)
+    before = torch.get_rng_state()
+    bounds = sample_bounds(grads, counts, torch.device("cpu"))
+    samples = sample_elements(grads, counts, generator, bounds).numpy()
+    assert torch.equal(torch.get_rng_state(), before)  # gradtrack's own generator only
+    first, whole, last = np.split(samples, [30, 33])
+    assert samples.dtype == np.float32 and len(last) == 20_000
+    assert set(first) <= set(range(100)) and whole.tolist() == [1000.0, 1001.0, 1002.0]
+    deciles = np.histogram(last, bins=10, range=(1e6, 1e6 + 100_000))[0]
+    assert deciles.sum() == 20_000 and np.all(np.abs(deciles - 2000) < 250)  # ~5.6 sd
+
+    ten = [torch.arange(10.0)]  # 9 of 10 drawn, 30 times: every element, the last included
+    bounds = sample_bounds(ten, [9], torch.device("cpu"))
+    seen = {v for _ in range(30) for v in sample_elements(ten, [9], generator, bounds).tolist()}
+    assert seen == set(range(10))
