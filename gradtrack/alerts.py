@@ -379,9 +379,14 @@ _SHOWN_LAYERS = 8
 
 
 def _merged(group: list[AlertEvent]) -> AlertEvent:
-    """The events of one rule at one step as one, led by the worst layer."""
+    """The events of one rule at one step as one, led by the worst layer: the furthest past
+    its threshold (per-layer overrides may set different ones)."""
+
+    def past_threshold(event: AlertEvent) -> float:
+        return event.value / event.threshold if event.threshold else event.value
+
     low_is_bad = group[0].rule in ("vanishing", "dead")
-    worst = (min if low_is_bad else max)(group, key=lambda e: e.value)
+    worst = (min if low_is_bad else max)(group, key=past_threshold)
     layers = tuple(e.layer for e in group if e.layer is not None)
     others = [name for name in layers if name != worst.layer]
     listed = ", ".join(others[:_SHOWN_LAYERS])

@@ -111,9 +111,7 @@ class Collector:
     ) -> HostPart:
         stats, samples, all_grads = [], [], []
         for packed, indices, grads in groups:
-            group_stats = (
-                packed_norms(grads, full) if packed else tensor_norms(grads, foreach_only, full)
-            )
+            group_stats = packed_norms(grads) if packed else tensor_norms(grads, foreach_only, full)
             if foreach_only:
                 group_stats[:, 3:] = nonfinite_counts(grads)
             stats.append(group_stats)

@@ -110,24 +110,18 @@ def tensor_norms(grads: list[Tensor], foreach_only: bool = True, full: bool = Tr
     return _rows(l2, torch.stack(l1).double(), linf.double())
 
 
-def packed_norms(grads: list[Tensor], full: bool = True) -> Tensor:
+def packed_norms(grads: list[Tensor]) -> Tensor:
     """Many small tensors at once: per-tensor overheads (a stack costs ~2 µs per tensor)
     dominate them, so copy them into one fp64 buffer and reduce it by segments.
 
     >>> packed_norms([torch.tensor([3.0, -4.0]), torch.tensor([[-2.0]])])
     tensor([[5., 7., 4., 0., 0.],
             [2., 2., 2., 0., 0.]], dtype=torch.float64)
-    >>> packed_norms([torch.tensor([3.0, -4.0])], full=False)
-    tensor([[5., nan, nan, 0., 0.]], dtype=torch.float64)
     """
     # One C++ call flattens and concatenates (DDP's bucketing uses the same helper). It
     # returns a single tensor's own storage: copy, since the reductions below work in place.
-    flat = _flatten_dense_tensors(grads).to(torch.float64, copy=True)
-    lengths = torch.tensor([g.numel() for g in grads], device=flat.device)
-    if not full:
-        squares = flat.square_()
-        return _rows(torch.segment_reduce(squares, "sum", lengths=lengths, unsafe=True).sqrt_())
-    absolute = flat.abs_()
+    absolute = _flatten_dense_tensors(grads).to(torch.float64, copy=True).abs_()
+    lengths = torch.tensor([g.numel() for g in grads], device=absolute.device)
     l1 = torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True)
     linf = torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
     l2 = torch.segment_reduce(absolute.square_(), "sum", lengths=lengths, unsafe=True).sqrt_()
