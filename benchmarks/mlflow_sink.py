@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import gradtrack
-from benchmarks.models import MODELS
+from benchmarks.models import MODELS, LossFn
 from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink, MlflowSink
 from tests.sinks.mlflow_server import MlflowServer
@@ -49,7 +49,7 @@ def cpu_seconds(root_pid: int) -> float:
 def step_time_ratio(model_name: str, uri: str, rounds: int, steps: int) -> tuple[float, float]:
     torch.manual_seed(0)
     template, _ = MODELS[model_name]()
-    runs = {}
+    runs: dict[str, tuple[LossFn, torch.optim.Optimizer, gradtrack.Watcher, list[float]]] = {}
     for name in ("memory", "mlflow"):
         torch.manual_seed(0)
         model, loss_of = MODELS[model_name]()
@@ -62,12 +62,12 @@ def step_time_ratio(model_name: str, uri: str, rounds: int, steps: int) -> tuple
         )  # fmt: skip
         runs[name] = (loss_of, optimizer, watcher, [])
     for _ in range(rounds + 1):
-        for loss_of, optimizer, _, times in runs.values():
+        for loss, opt, _, times in runs.values():
             for _ in range(steps):
                 start = time.perf_counter()
-                optimizer.zero_grad()
-                loss_of().backward()
-                optimizer.step()
+                opt.zero_grad()
+                loss().backward()
+                opt.step()
                 times.append(time.perf_counter() - start)
     medians = {}
     for name, (_, _, watcher, times) in runs.items():
@@ -98,7 +98,9 @@ def delivery_rates(
     )
     sink.close()
     client = mlflow.MlflowClient(uri)
-    run = client.create_run(client.get_experiment_by_name("bench").experiment_id)
+    experiment = client.get_experiment_by_name("bench")
+    assert experiment is not None  # the sink above created it
+    run = client.create_run(experiment.experiment_id)
     start = time.perf_counter()
     for i in range(per_metric):
         client.log_metric(run.info.run_id, f"key{i % keys}", float(i), step=i // keys)

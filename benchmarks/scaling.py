@@ -33,6 +33,7 @@ def _ratio(
     """(base ms, floor / base, summaries / base): median step times, round-robin."""
     torch.manual_seed(0)
     template, inputs = make()
+    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, gradtrack.Watcher | None, list[float]]]
     runs = {}
     for name in ("base", "floor", "summaries"):
         model = copy.deepcopy(template)
@@ -44,15 +45,16 @@ def _ratio(
             )
         runs[name] = (model, optimizer, watcher, [])
     for round_ in range(rounds + 1):
-        for name, (model, optimizer, _, times) in runs.items():
-            grads = list(model.parameters())
+        for name, (net, opt, _, times) in runs.items():
+            weights = list(net.parameters())
             for _ in range(steps):
                 start = time.perf_counter()
-                optimizer.zero_grad()
-                model(inputs).pow(2).mean().backward()
+                opt.zero_grad()
+                net(inputs).pow(2).mean().backward()
                 if name == "floor":  # one L2 pass over every gradient, one result tensor
-                    torch.stack(torch._foreach_norm([p.grad for p in grads], 2)).double()
-                optimizer.step()
+                    grads = [w.grad for w in weights if w.grad is not None]
+                    torch.stack(torch._foreach_norm(grads, 2)).double()
+                opt.step()
                 if round_:  # the first round warms up
                     times.append(time.perf_counter() - start)
     for _, _, watcher, _ in runs.values():
@@ -146,7 +148,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("what", choices=["tensors", "params", "memory"])
-    {"tensors": tensors, "params": params, "memory": memory}[parser.parse_args().what]()
+    jobs: dict[str, Callable[[], None]] = {"tensors": tensors, "params": params, "memory": memory}
+    jobs[parser.parse_args().what]()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import tempfile
@@ -58,7 +59,7 @@ def measure(model_name: str, freq: int, rounds: int, steps: int, run: Any) -> di
         variant = variants[name] = Variant(model, loss_of)
         if name == "wandb.watch":
             wandb.watch(model, log="gradients", log_freq=freq)
-            variant.close = lambda m=model: wandb.unwatch(m)
+            variant.close = functools.partial(wandb.unwatch, model)
         elif name == "gradtrack":
             watcher = gradtrack.watch(
                 model, backend="wandb", optimizer=variant.optimizer, log_every=freq,
