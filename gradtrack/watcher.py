@@ -27,7 +27,7 @@ from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.layers import activation_modules, discover_layers, unwrap_model
 from gradtrack.sinks.base import GradientSink
-from gradtrack.worker import Mailbox, PendingStep, Worker
+from gradtrack.worker import FirstInWindow, Mailbox, PendingStep, Worker
 
 AlertCallback = Callable[[AlertEvent], None]
 # Where a step ends: "auto" (see `Watcher`), "manual" (the owner calls `Watcher.end_step`),
@@ -101,7 +101,8 @@ class Watcher:
             ranks=self.ranks,
         )
         self.step = 0
-        self._last_layer_window = -1
+        # The first logged step of each layer_every window writes (and computes) every layer.
+        self._per_layer_due = FirstInWindow(config.layer_every)
         self.collect_errors = 0
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
@@ -252,14 +253,6 @@ class Watcher:
                 error = GradientAlertError(AlertEvent.model_validate_json(shared))
         if error is not None:
             raise error
-
-    def _per_layer_due(self, step: int) -> bool:
-        """The first logged step in each window of ``layer_every`` steps."""
-        window = step // self.config.layer_every
-        if window == self._last_layer_window:
-            return False
-        self._last_layer_window = window
-        return True
 
     def _collect(
         self, step: int, with_samples: bool, backward_order: list[int] | None, per_layer: bool

@@ -43,6 +43,26 @@ class PendingStep:
     evaluated: threading.Event | None = None  # set once alert rules have seen the step
 
 
+class FirstInWindow:
+    """True for the first step it is asked about in each window of ``every`` steps.
+
+    >>> first = FirstInWindow(10)
+    >>> [step for step in (0, 3, 12, 15, 27) if first(step)]
+    [0, 12, 27]
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._last_window = -1
+
+    def __call__(self, step: int) -> bool:
+        window = step // self.every
+        if window == self._last_window:
+            return False
+        self._last_window = window
+        return True
+
+
 @dataclass
 class _Control:
     kind: Literal["flush", "stop"]
@@ -138,8 +158,7 @@ class Worker:
         self._activation_names = tuple(activation_names)
         self._model_name = config.model_name
         self._layer_metrics = tuple(config.layer_metrics)
-        self._layer_every = config.layer_every
-        self._last_bad_window = -1  # the last layer_every window with a step worth a look
+        self._first_bad_in_window = FirstInWindow(config.layer_every)
         self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
         self._gather_ranks = config.distributed.gather_ranks
         self._layer_position = {name: i for i, name in enumerate(collector.layer_names)}
@@ -205,11 +224,9 @@ class Worker:
         """The first step in each ``layer_every`` window that was non-finite or raised an
         alert is written with its per-layer metrics (the step to look at). Only the first:
         a model tripping a rule at every step would otherwise write every layer every step."""
-        window = record.step // self._layer_every
-        if window == self._last_bad_window:
+        if not self._first_bad_in_window(record.step) or record.per_layer:
             return record
-        self._last_bad_window = window
-        return record if record.per_layer else replace(record, per_layer=True)
+        return replace(record, per_layer=True)
 
     def _act(self, event: AlertEvent) -> None:
         action = self.alert_engine.rule(event.rule, event.layer).action
