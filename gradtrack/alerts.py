@@ -47,6 +47,9 @@ class AlertEvent(BaseModel):
     origin_layer: str | None = None
     origin_stage: Stage | None = None
     layers: tuple[str, ...] = ()  # every layer it covers (non-finite: all); () if whole-model
+    # Within its rule's cooldown: not notified (sinks, logs, callbacks never see it), made
+    # only so that a rule whose action is "raise" raises every time.
+    silenced: bool = False
 
     @property
     def title(self) -> str:
@@ -74,7 +77,6 @@ class AlertEngine:
         self._last_fired: dict[tuple[str, str | None], int] = {}
         self._total_norms: deque[float] = deque(maxlen=1000)
         self._amp_skips = 0
-        self.first_nonfinite: AlertEvent | None = None
 
     def set_backward_order(self, layers: Sequence[str]) -> None:
         """Layers in the order their gradients became ready in a backward pass."""
@@ -105,14 +107,16 @@ class AlertEngine:
     ) -> list[AlertEvent]:
         rule = self.rule(rule_name, layer)
         last = self._last_fired.get((rule_name, layer))
-        if last is not None and record.step - last <= rule.cooldown_steps:
+        silenced = last is not None and record.step - last <= rule.cooldown_steps
+        if silenced and rule.action != "raise":
             return []
-        self._last_fired[(rule_name, layer)] = record.step
+        if not silenced:
+            self._last_fired[(rule_name, layer)] = record.step
         fields.setdefault("severity", rule.severity)
         fields.setdefault("layers", (layer,) if layer else ())
         event = AlertEvent(
             step=record.step, wall_time=record.wall_time, rule=rule_name, layer=layer,
-            rank=self.rank, **fields,
+            rank=self.rank, silenced=silenced, **fields,
         )  # fmt: skip
         return [event]
 
@@ -122,13 +126,14 @@ class AlertEngine:
         A deep model whose gradient vanishes trips the rule in hundreds of layers at once;
         that is one finding, and a tracker that notifies per alert must see it once.
         """
-        slots: dict[tuple[str, str, str], int] = {}  # group → its place in the output
+        slots: dict[tuple[str, str, str, str], int] = {}  # group → its place in the output
         groups: list[list[AlertEvent]] = []
         for event in events:
             if event.rule == "nonfinite" or event.layer is None:
                 groups.append([event])
                 continue
-            key = (event.rule, event.severity, self.rule(event.rule, event.layer).action)
+            action = self.rule(event.rule, event.layer).action
+            key = (event.rule, event.severity, action, str(event.silenced))
             if key not in slots:
                 slots[key] = len(groups)
                 groups.append([])
@@ -183,14 +188,11 @@ class AlertEngine:
         elif ranks is not None:
             counts += "; every rank's local gradient was finite: the all-reduce overflowed"
         message = f"{kind} gradient {where}. {counts}. Try: {advice}."
-        events = self._emit(
+        return self._emit(
             record, "nonfinite", origin, statistic="nan_count" if nan else "inf_count",
             value=float(nan or inf), threshold=0.0, message=message,
             origin_layer=origin, origin_stage=stage, ranks=ranks, layers=tuple(bad),
         )  # fmt: skip
-        if events and self.first_nonfinite is None:
-            self.first_nonfinite = events[0]
-        return events
 
     def nonfinite_origin(self, record: StepRecord, bad: list[str]) -> tuple[str | None, Stage]:
         if record.output_finite is False:

@@ -153,7 +153,8 @@ class Collector:
     ) -> HostPart:
         device, foreach_only = part.device, part.foreach_only
         if full:
-            l1, linf = zip(*(abs_norms(grads, on_host=not foreach_only) for _, grads in part.groups))
+            on_host = not foreach_only
+            l1, linf = zip(*(abs_norms(grads, on_host) for _, grads in part.groups))
             rows = stat_rows(part.l2, torch.cat(l1), torch.cat(linf))
         else:
             rows = stat_rows(part.l2)
