@@ -202,19 +202,19 @@ def summarise_layers(
     n = len(layer_names)
     weights = {"minlength": n}
     l2, l1, linf, nan, inf = tensor_stats.T
-    sumsq = np.bincount(tensor_layer, l2 * l2, **weights)
     present = np.bincount(tensor_layer, **weights) > 0
     max_abs = np.full(n, -np.inf)
     with np.errstate(invalid="ignore"):
         np.maximum.at(max_abs, tensor_layer, linf)
     numel = np.bincount(tensor_layer, tensor_numel.astype(np.float64), **weights)
     safe_numel = np.maximum(numel, 1.0)  # an empty layer's gradient is all (no) zeros
+    norms = _root_sum_squares(l2, tensor_layer, n)
     rows = np.stack(
         [
-            np.sqrt(sumsq),
+            norms,
             max_abs,
             np.bincount(tensor_layer, l1, **weights) / safe_numel,
-            np.sqrt(sumsq / safe_numel),
+            norms / np.sqrt(safe_numel),
             numel,
             np.bincount(tensor_layer, nan, **weights),
             np.bincount(tensor_layer, inf, **weights),
@@ -222,4 +222,21 @@ def summarise_layers(
         axis=1,
     )[present]
     names = tuple(name for name, keep in zip(layer_names, present) if keep)
-    return names, rows, float(np.sqrt(sumsq[present].sum()))
+    total = _root_sum_squares(norms[present], np.zeros(int(present.sum()), np.int64), 1)
+    return names, rows, float(total[0]) if len(total) else 0.0
+
+
+def _root_sum_squares(values: np.ndarray, groups: np.ndarray, n: int) -> np.ndarray:
+    """sqrt(sum of squares) per group, scaled by each group's largest value so that squares
+    of norms near fp64's limits neither overflow nor underflow; NaN and Inf propagate.
+
+    >>> _root_sum_squares(np.array([3e200, 4e200, 1e-200]), np.array([0, 0, 1]), 2)
+    array([5.e+200, 1.e-200])
+    """
+    scale = np.zeros(n)
+    np.fmax.at(scale, groups, values)  # fmax: a NaN does not hide the finite maximum
+    usable = np.isfinite(scale) & (scale > 0)
+    divisor = np.where(usable, scale, 1.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = values / divisor[groups]
+        return np.sqrt(np.bincount(groups, ratio * ratio, minlength=n)) * divisor
