@@ -143,15 +143,14 @@ class AlertEngine:
     # -- rules -----------------------------------------------------------------------------
     def _nonfinite(self, record: StepRecord) -> list[AlertEvent]:
         nan_counts, inf_counts = record.column("nan"), record.column("inf")
-        rows = np.flatnonzero((nan_counts > 0) | (inf_counts > 0))
-        if len(rows) == 0 and math.isfinite(record.total_norm):
-            return []
-        if not self.rule("nonfinite", None).enabled:
+        norms = record.column("norm")  # exact: non-finite only where an element is
+        rows = np.flatnonzero((nan_counts > 0) | (inf_counts > 0) | ~np.isfinite(norms))
+        if len(rows) == 0 or not self.rule("nonfinite", None).enabled:
             return []
         bad = [record.layers[j] for j in rows]
         origin, stage = self.nonfinite_origin(record, bad)
         nan, inf = int(nan_counts[rows].sum()), int(inf_counts[rows].sum())
-        kind = "NaN" if nan else "Inf"
+        kind = "NaN" if nan or np.isnan(norms[rows]).any() else "Inf"
         if stage == "forward":
             where = "the model output (forward pass) was already non-finite"
             advice = (
@@ -172,6 +171,11 @@ class AlertEngine:
                 "norm), and AMP loss scaling (use a GradScaler, or bf16)"
             )
         counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {', '.join(bad[:8])}"
+        if not record.counted:
+            counts = (
+                f"{kind} in {len(bad)} layer(s): {', '.join(bad[:8])} (elements not counted: "
+                "a step between logged steps, latched on the accelerator)"
+            )
         if record.activation_origin is not None:
             counts += (
                 "; the first non-finite activation gradient was at the output of "
@@ -189,8 +193,10 @@ class AlertEngine:
             counts += "; every rank's local gradient was finite: the all-reduce overflowed"
         message = f"{kind} gradient {where}. {counts}. Try: {advice}."
         return self._emit(
-            record, "nonfinite", origin, statistic="nan_count" if nan else "inf_count",
-            value=float(nan or inf), threshold=0.0, message=message,
+            record, "nonfinite", origin,
+            statistic=("nan_count" if nan else "inf_count") if record.counted else "layers",
+            value=float(nan or inf) if record.counted else float(len(bad)),
+            threshold=0.0, message=message,
             origin_layer=origin, origin_stage=stage, ranks=ranks, layers=tuple(bad),
         )  # fmt: skip
 

@@ -19,8 +19,9 @@ from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
 from gradtrack.distributed import RankGroup, rank_layer_norms
 from gradtrack.histogram import Histogram, bin_samples
+from gradtrack.latch import latched_step
 from gradtrack.record import StepRecord, summarise_layers
-from gradtrack.stats import HostPart
+from gradtrack.stats import L1, L2, LINF, TENSOR_COLUMNS, HostPart
 
 logger = logging.getLogger("gradtrack")
 T = TypeVar("T")
@@ -42,9 +43,10 @@ class PendingStep:
 
 @dataclass
 class AssembledStep:
-    """A step whose record and alerts the training thread already made (a raise rule)."""
+    """A step's records and alerts: one record, led by the latched bad step before it when
+    an accelerator's guard latched one (see `gradtrack.latch`)."""
 
-    record: StepRecord
+    records: list[StepRecord]
     events: list[AlertEvent]
 
 
@@ -79,8 +81,10 @@ class Assembler:
         alert_engine: AlertEngine,
         activation_names: Sequence[str] = (),
         ranks: RankGroup | None = None,
+        latch_size: int = 0,
     ) -> None:
         self.alert_engine = alert_engine
+        self.latch_size = latch_size  # trailing step flags: a `BadStepLatch` read
         self.part_errors: dict[str, int] = {}
         self._collector = collector
         self._hist_bins = config.hist_bins
@@ -97,12 +101,47 @@ class Assembler:
         if pending.backward_order is not None:
             names = self._collector.layer_names
             self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
-        record = self.build_record(pending)
+        for part in pending.parts:
+            part.wait()
+        records = [self._latched_record(pending), self.build_record(pending)]
+        events: list[AlertEvent] = []
+        for i, record in enumerate(records):
+            if record is not None:
+                found = self._evaluate(record)
+                if found or record.nan_count or record.inf_count or not record.counted:
+                    records[i] = self._first_bad_in_full(record)
+                events += found
+        return AssembledStep([r for r in records if r is not None], events)
+
+    def _evaluate(self, record: StepRecord) -> list[AlertEvent]:
         no_events: list[AlertEvent] = []
-        events = self._part("alert rules", lambda: self.alert_engine.evaluate(record), no_events)
-        if events or record.nan_count or record.inf_count:
-            record = self._first_bad_in_full(record)
-        return AssembledStep(record, events)
+        return self._part("alert rules", lambda: self.alert_engine.evaluate(record), no_events)
+
+    def _latched_record(self, pending: PendingStep) -> StepRecord | None:
+        """The first non-finite step an accelerator's guard latched since the last logged
+        step, as a record of its layer norms (its elements were not counted)."""
+        if not self.latch_size:
+            return None
+        latched = latched_step(pending.parts[0].flags()[-self.latch_size :])
+        if latched is None or latched[0] == pending.step:
+            return None  # (a logged step that was bad itself is summarised in full)
+        step, norms = latched
+        present = np.flatnonzero(norms != -1.0)
+        collector = self._collector
+        rows = np.zeros((len(present), TENSOR_COLUMNS))
+        rows[:, L2] = norms[present]
+        rows[:, L1] = rows[:, LINF] = np.nan
+        layers, stats, total_norm = summarise_layers(
+            collector.layer_names,
+            collector.tensor_layer[present],
+            collector.tensor_numel[present],
+            rows,
+        )
+        return StepRecord(
+            step=step, wall_time=pending.wall_time, layers=layers, stats=stats,
+            total_norm=total_norm, model_name=self._model_name,
+            layer_metrics=self._layer_metrics, abs_stats=False, counted=False,
+        )  # fmt: skip
 
     def _first_bad_in_full(self, record: StepRecord) -> StepRecord:
         """The first step in each ``layer_every`` window that was non-finite or raised an
@@ -113,9 +152,8 @@ class Assembler:
         return replace(record, per_layer=True)
 
     def build_record(self, pending: PendingStep) -> StepRecord:
-        for part in pending.parts:
-            part.wait()
         flags = pending.parts[0].flags()
+        flags = flags[: len(flags) - self.latch_size]
         collector = self._collector
         index = np.concatenate([part.tensor_index for part in pending.parts])
         layers, stats, total_norm = summarise_layers(

@@ -84,6 +84,10 @@ class StepRecord:
     # Whether max |g| and mean |g| were computed (on the steps ``layer_every`` makes per-layer:
     # they cost two more passes over every gradient); NaN in ``stats`` otherwise.
     abs_stats: bool = True
+    # Whether NaN/Inf elements were counted. Not at a non-finite step that an accelerator's
+    # guard latched between logged steps (see `gradtrack.latch`): its norms say which
+    # layers went non-finite, and its count columns are 0 and never written.
+    counted: bool = True
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -159,11 +163,10 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     'grad/total_norm'
     """
     model = record.model_name
-    metrics = {
-        metric_key("grad", "total_norm", model): record.total_norm,
-        metric_key("grad", "nan_count", model): float(record.nan_count),
-        metric_key("grad", "inf_count", model): float(record.inf_count),
-    }
+    metrics = {metric_key("grad", "total_norm", model): record.total_norm}
+    if record.counted:
+        metrics[metric_key("grad", "nan_count", model)] = float(record.nan_count)
+        metrics[metric_key("grad", "inf_count", model)] = float(record.inf_count)
     extremes = record.extreme_layers()
     if extremes is not None:
         metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]

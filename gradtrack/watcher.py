@@ -25,6 +25,7 @@ from gradtrack.config import GradtrackConfig
 from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_group
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
+from gradtrack.latch import BadStepLatch
 from gradtrack.layers import activation_modules, discover_layers, unwrap_model
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, Worker
@@ -104,6 +105,11 @@ class Watcher:
         # each rank sees only its shards, so unlogged steps would need a collective: there
         # the verdict comes with the logged steps.
         self._guard_every_step = self.ranks is None or self.ranks.layout == "replicated"
+        # None: the guard's verdict is read at each step on the CPU, and latched on the
+        # device for the next logged step elsewhere (`gradtrack.latch`); False: latched
+        # everywhere (how tests take the accelerator's path on a CPU).
+        self.guard_reads_host: bool | None = None
+        self._latch: BadStepLatch | None = None
         self.collect_errors = 0
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
@@ -239,7 +245,10 @@ class Watcher:
         guard = self._guard(step)
         if guard is None:
             return
-        bad = self._guard_every_step and guard.finite(wait=self._raise_on_alert) is False
+        verdict = self._verdict(guard)
+        if verdict is None:
+            self._latch_if_bad(guard, step)
+        bad = verdict is False
         first_bad = bad and self._first_bad_due(step)
         if not (logged or with_samples or first_bad or (bad and self._raise_on_alert)):
             return  # the common case: one pass over the gradients, nothing handed off
@@ -261,6 +270,21 @@ class Watcher:
                 error = GradientAlertError(AlertEvent.model_validate_json(shared))
         if error is not None:
             raise error
+
+    def _verdict(self, guard: Guard) -> bool | None:
+        """Whether the step's gradients are finite, where that is known now without waiting
+        for a device (or a raise rule pays the wait); None: latch it instead."""
+        if not self._guard_every_step:
+            return True  # (FSDP2: the logged steps' summaries judge)
+        if self._raise_on_alert:
+            return guard.finite(wait=True)
+        return None if self.guard_reads_host is False else guard.finite()
+
+    def _latch_if_bad(self, guard: Guard, step: int) -> None:
+        if self._latch is None:
+            self._latch = BadStepLatch(len(self.collector.params))
+            self.assembler.latch_size = self._latch.size  # before any step carries it
+        self._latch.update(guard, step)
 
     def _guard(self, step: int) -> Guard | None:
         """Every step: each gradient's exact L2 norm, in one batched pass on its device."""
@@ -293,6 +317,8 @@ class Watcher:
             if self.ranks is not None and self.ranks.rank != 0 and self.ranks.layout != "sharded":
                 return None
             evidence, activation_order = self._evidence(ranks_local)
+            if self._latch is not None:
+                evidence.append(self._latch.take(guard.devices[0].device))
             parts = self.collector.collect(guard, with_samples, evidence, full=per_layer)
         except Exception as exc:  # watching must never crash training
             self._collect_failed(step, exc)

@@ -148,10 +148,10 @@ class Worker:
         except Exception as exc:  # a bug here must not stop the worker
             self.record_errors += 1
             if self.record_errors == 1:
-                number = item.step if isinstance(item, PendingStep) else item.record.step
+                number = item.step if isinstance(item, PendingStep) else item.records[-1].step
                 report(f"gradtrack could not summarise step {number}: {exc!r}")
             return
-        records.append(step.record)
+        records.extend(step.records)
         for event in step.events:
             if not event.silenced:  # within its rule's cooldown: it only raised
                 events.append(event)

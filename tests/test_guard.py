@@ -213,3 +213,33 @@ def test_guard_cost_on_healthy_unlogged_steps_is_one_pass(tmp_path: Path) -> Non
     sink, raised, watcher = train_poisoned(model, 25, poison_at=set())
     assert not raised and [r.step for r in sink.records] == [0, 10, 20]
     assert watcher.host_transfers == 3
+
+
+def test_accelerator_path_latches_an_unlogged_nan_step_without_a_host_read() -> None:
+    """The path CUDA takes (no verdict read at the step; foreach kernels), forced on the CPU:
+    the first bad step between logged steps reaches the worker with the next logged step."""
+    from tests.test_no_sync import OpRecorder
+
+    model = deep_model()
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    recorder = OpRecorder()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer) as watcher:
+        watcher.guard_reads_host = False
+        watcher.collector.foreach_only = True
+        with recorder:
+            for step in range(25):
+                model[3].value = float("nan") if step in (13, 15) else None
+                optimizer.zero_grad()
+                model(torch.randn(32, 8)).pow(2).mean().backward()
+                optimizer.step()
+    assert recorder.ops["_local_scalar_dense"] == 0  # never a read that waits for a device
+    assert [r.step for r in sink.records] == [0, 10, 13, 20]
+    latched = sink.records[2]
+    assert not latched.counted and latched.per_layer and not latched.abs_stats
+    norms = dict(zip(latched.layers, latched.column("norm").tolist()))
+    assert math.isnan(norms["2"]) and math.isnan(norms["0"]) and math.isfinite(norms["7"])
+    assert "grad/nan_count" not in scalar_metrics(latched)  # not counted: never written as 0
+    nonfinite = only(sink.events, "nonfinite")
+    assert nonfinite[0].step == 13 and nonfinite[0].layer == "2"
+    assert nonfinite[0].layers == ("0", "2") and "not counted" in nonfinite[0].message
