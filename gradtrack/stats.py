@@ -85,8 +85,8 @@ def l2_norms(grads: list[Tensor], on_host: bool) -> Tensor:
 
     ``grads`` share one device and dtype, and none is empty. On accelerators (``on_host``
     False) one foreach kernel accumulates in fp64. On the CPU, whose fp64 reductions copy
-    the tensor first (~12x slower), fp32 partial sums are exact enough in short rows
-    (`_blocked_norm`) and the rare norms fp32 cannot hold (overflow, underflow) are redone in
+    the tensor first (~12x slower), fp32 partial sums are exact enough in chunks
+    (`_cpu_norms`) and the rare norms fp32 cannot hold (overflow, underflow) are redone in
     fp64 (`_repair`), so a finite gradient always has a finite, non-zero-if-non-zero norm.
     NaN anywhere makes the norm NaN; ±Inf without NaN makes it Inf.
 
@@ -106,7 +106,7 @@ def abs_norms(grads: list[Tensor], on_host: bool) -> tuple[Tensor, Tensor]:
     """float64 (L1 norm, max |g|) per gradient: the two extra passes of a per-layer step.
 
     On the CPU, tensors below `PACK_BELOW_ELEMENTS` are reduced packed together in fp64
-    (`packed_abs_norms`), longer ones in rows (`_blocked_norm`) and one min/max pass each.
+    (`packed_abs_norms`), longer ones by a cascaded sum and one min/max pass each.
 
     >>> abs_norms([torch.tensor([3.0, -4.0])], on_host=True)
     (tensor([7.], dtype=torch.float64), tensor([4.], dtype=torch.float64))
@@ -160,70 +160,84 @@ def stat_rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) 
     return torch.stack([l2, l1, linf, zeros, zeros], dim=1)
 
 
-# CPU: tensors of at least this many elements are reduced in rows of `_ROW_ELEMENTS`, whose
-# fp32 partial sums are added in fp64. CPU's norm kernels accumulate a long tensor in fp32
-# (measured: L2 1.5e-4 and L1 5.5e-4 relative error at 6.4 M elements); rows keep it near
-# 1e-9 at the same speed. Shorter tensors take one foreach call (error below 4e-7).
-BLOCKED_ABOVE_ELEMENTS = 1 << 15
-_ROW_ELEMENTS = 1 << 10
-# A norm accumulated in fp32 and at or below this may have lost elements to underflow
-# (squares below fp32's smallest normal, 1.2e-38), and Inf may be an overflow of the sum:
-# such norms are redone in fp64. For fp64 gradients the same holds at fp64's range.
-_FP32_SUSPECT_BELOW = 1e-10
-_FP64_SUSPECT_BELOW = 1e-140
+# CPU: tensors longer than this are reduced in chunks of this many elements, in the same
+# foreach call as the rest, and the chunks' fp32 results added in fp64. CPU's norm kernels
+# accumulate a long tensor in fp32 (measured: L2 1.5e-4 relative error at 6.4 M elements);
+# chunks keep it near 1e-7 at the same speed. (Rows reduced along a dimension would be as
+# exact, but such reductions stall for milliseconds on a loaded machine's thread pool.)
+# fp16/bf16 values square exactly in fp32, and the rounding of their sums is biased, not
+# random: 32,768 of them drift by 1-3e-6, so their chunks are shorter.
+_CHUNK_ELEMENTS = 1 << 15
+_LOW_PRECISION_CHUNK_ELEMENTS = 1 << 12
+# Where fp32 (or fp64) accumulation may have lost precision: a square (for L2) or |g| (L1)
+# below the smallest normal number m (fp32: 1.2e-38) loses at most m, so a norm of n
+# elements is exact to 1e-6 if its sum of squares (or L1) is at least n · m / 1e-6. Below
+# that, at Inf (an overflowed sum) and at 0 with a non-zero element, it is redone exactly.
+_SMALLEST_NORMAL = {torch.float64: 2.3e-308}
+_FP32_SMALLEST_NORMAL = 1.2e-38
 
 
 def _cpu_norms(grads: list[Tensor], ord: int) -> Tensor:
+    """fp32-accumulated norms (fp64 for fp64 gradients), long tensors in chunks; one
+    foreach call (L2) or one cascaded sum per tensor (L1: CPU's L1 kernel drifts by 2e-6
+    already at 4,096 elements, its sum does not)."""
     accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
-    norms = torch.empty(len(grads), dtype=torch.float64)
-    short = [i for i, g in enumerate(grads) if g.numel() < BLOCKED_ABOVE_ELEMENTS]
-    if short:
-        foreach = torch._foreach_norm([grads[i] for i in short], ord, dtype=accumulate)
-        norms[short] = torch.stack(foreach).double()
-    for i, grad in enumerate(grads):
-        if grad.numel() >= BLOCKED_ABOVE_ELEMENTS:
-            norms[i] = _blocked_norm(grad, ord, accumulate)
-    return norms
-
-
-def _blocked_norm(grad: Tensor, ord: int, accumulate: torch.dtype | None) -> Tensor:
-    flat = grad.reshape(-1)
-    whole = flat.numel() - flat.numel() % _ROW_ELEMENTS
-    rows = torch.linalg.vector_norm(
-        flat[:whole].view(-1, _ROW_ELEMENTS), ord, dim=1, dtype=accumulate
-    ).double()
-    tail = torch.linalg.vector_norm(flat[whole:], ord, dtype=accumulate).double()
     if ord == 1:
-        return rows.sum() + tail
-    return (rows.square().sum() + tail.square()).sqrt()
+        return torch.stack([g.abs().sum(dtype=accumulate) for g in grads]).double()
+    chunk = _CHUNK_ELEMENTS if accumulate is None else _LOW_PRECISION_CHUNK_ELEMENTS
+    pieces: list[Tensor] = []
+    owner: list[int] = []
+    for i, grad in enumerate(grads):
+        if grad.numel() > chunk:
+            chunks = grad.reshape(-1).split(chunk)
+            pieces.extend(chunks)
+            owner.extend([i] * len(chunks))
+        else:
+            pieces.append(grad)
+            owner.append(i)
+    norms = torch.stack(torch._foreach_norm(pieces, 2, dtype=accumulate)).double()
+    if len(pieces) == len(grads):
+        return norms
+    squares = torch.zeros(len(grads), dtype=torch.float64)
+    return squares.index_add_(0, torch.tensor(owner), norms.square()).sqrt_()
 
 
 def _repair(norms: Tensor, grads: list[Tensor], ord: int) -> None:
-    """Redo in fp64, scaled by max |g|, the CPU norms fp32 may have over- or underflowed."""
-    below = _FP64_SUSPECT_BELOW if grads[0].dtype == torch.float64 else _FP32_SUSPECT_BELOW
+    """Redo exactly, all at once, the CPU norms accumulation may have over- or underflowed."""
     values = norms.numpy()
+    numel = np.array([g.numel() for g in grads], dtype=np.float64)
+    smallest = _SMALLEST_NORMAL.get(grads[0].dtype, _FP32_SMALLEST_NORMAL)
+    enough = numel * smallest / 1e-6  # the least sum whose flushed terms cannot matter
+    floor = np.sqrt(enough) if ord == 2 else enough
     with np.errstate(invalid="ignore"):
-        suspect = np.flatnonzero(np.isinf(values) | ((values > 0) & (values <= below)))
-    zero = np.flatnonzero(values == 0)
-    if len(zero):  # an all-zero gradient (a dead layer) is common; an underflowed one is not
-        nonzero = torch.stack([torch.count_nonzero(grads[i]) for i in zero.tolist()]).numpy()
-        suspect = np.concatenate([suspect, zero[nonzero > 0]])
-    for i in suspect.tolist():
-        norms[i] = exact_norm(grads[i], ord)
+        # (0 too: an all-zero gradient, a dead layer, is common; one whose squares all
+        # underflowed is not, but only the exact pass tells them apart)
+        redo = np.flatnonzero(np.isinf(values) | ((values >= 0) & (values < floor)))
+    if len(redo):
+        norms[redo] = exact_norms([grads[i] for i in redo], ord)
 
 
-def exact_norm(grad: Tensor, ord: int) -> Tensor:
-    """The norm in fp64, scaled by max |g| so that neither overflow nor underflow can occur.
+def exact_norms(grads: list[Tensor], ord: int) -> Tensor:
+    """Norms in fp64, each scaled by its max |g| so that neither overflow nor underflow can
+    occur: one packed pass for all of ``grads``.
 
-    >>> exact_norm(torch.tensor([1e300, 1e300], dtype=torch.float64), 2)
-    tensor(1.4142e+300, dtype=torch.float64)
+    >>> exact_norms([torch.tensor([1e300, -1e300], dtype=torch.float64)], 2)
+    tensor([1.4142e+300], dtype=torch.float64)
+    >>> exact_norms([torch.full((4,), 1e-30), torch.tensor([float("inf"), 1.0])], 1)
+    tensor([4.0000e-30,        inf], dtype=torch.float64)
     """
-    x = grad.reshape(-1).to(torch.float64)
-    peak = x.abs().max()
-    scale = float(peak.cpu().numpy())
-    if not math.isfinite(scale) or scale == 0:
-        return torch.linalg.vector_norm(x, ord)
-    return torch.linalg.vector_norm(x / scale, ord) * scale
+    absolute = _flatten_dense_tensors(grads).to(torch.float64, copy=True).abs_()
+    lengths = torch.tensor([g.numel() for g in grads])
+    if grads[0].dtype != torch.float64:  # their squares cannot leave fp64's normal range
+        scale = torch.ones(len(grads), dtype=torch.float64)
+    else:
+        peak = torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
+        scale = torch.where(torch.isfinite(peak) & (peak > 0), peak, torch.ones_like(peak))
+        absolute.div_(scale.repeat_interleave(lengths))
+    if ord == 1:
+        return torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True) * scale
+    squares = torch.segment_reduce(absolute.square_(), "sum", lengths=lengths, unsafe=True)
+    return squares.sqrt_() * scale
 
 
 def nonfinite_counts(grads: list[Tensor]) -> Tensor:
