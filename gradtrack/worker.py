@@ -43,12 +43,16 @@ class Mailbox:
         self.dropped = 0
         self._items: deque[_Item] = deque()
         self._steps = 0
+        self._closed = False
         self._changed = threading.Condition()
 
     def put_step(self, item: _Step) -> None:
         with self._changed:
             if self.when_full == "block":
-                self._changed.wait_for(lambda: self._steps < self.capacity)
+                self._changed.wait_for(lambda: self._closed or self._steps < self.capacity)
+            if self._closed:  # the worker is gone: nothing would ever take it
+                self.dropped += 1
+                return
             while self._steps >= self.capacity:
                 oldest = next(i for i, x in enumerate(self._items) if not isinstance(x, _Control))
                 del self._items[oldest]
@@ -56,6 +60,14 @@ class Mailbox:
                 self.dropped += 1
             self._items.append(item)
             self._steps += 1
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """No one takes from it any more: release anyone waiting for room."""
+        with self._changed:
+            self._closed = True
+            self._items.clear()
+            self._steps = 0
             self._changed.notify_all()
 
     def put_control(self, item: _Control) -> None:
@@ -124,6 +136,13 @@ class Worker:
         return done
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug must be told, not die silently with the data
+            report(f"gradtrack's worker thread stopped: {exc!r}; steps are no longer delivered")
+            self._mailbox.close()
+
+    def _serve(self) -> None:
         _yield_cpu_to_training()
         while True:
             records: list[StepRecord] = []
