@@ -6,6 +6,7 @@ Built by `gradtrack.watch`; closing it removes every hook it added and flushes t
 from __future__ import annotations
 
 import atexit
+import sys
 import time
 import warnings
 import weakref
@@ -28,7 +29,7 @@ from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, Sc
 from gradtrack.latch import BadStepLatch
 from gradtrack.layers import activation_modules, discover_layers, unwrap_model
 from gradtrack.sinks.base import GradientSink
-from gradtrack.worker import Mailbox, Worker
+from gradtrack.worker import Mailbox, Outcome, Worker
 
 AlertCallback = Callable[[AlertEvent], None]
 # Where a step ends: "auto" (see `Watcher`), "manual" (the owner calls `Watcher.end_step`),
@@ -394,8 +395,12 @@ class Watcher:
         """Wait until every step collected so far has reached the sinks and they flushed."""
         return self.worker.request("flush", timeout_s or self.config.flush_timeout_s)
 
-    def close(self) -> None:
-        """Remove every hook, deliver what is queued, flush and close the sinks. Idempotent."""
+    def close(self, outcome: Outcome = "FINISHED") -> None:
+        """Remove every hook, deliver what is queued, flush and close the sinks. Idempotent.
+
+        ``outcome`` says how training ended: a run gradtrack started in MLflow is marked so
+        (FINISHED, FAILED on an exception, KILLED on an interrupt; the context manager and
+        the exit hook tell them apart themselves)."""
         if self.closed:
             return
         self.closed = True
@@ -405,7 +410,7 @@ class Watcher:
             del _WATCHED[model]
         _OPEN.discard(self)
         timeout_s = self.config.flush_timeout_s
-        if not self.worker.request("stop", timeout_s):
+        if not self.worker.request("stop", timeout_s, outcome):
             warnings.warn(
                 f"gradtrack's sinks did not finish within flush_timeout_s={timeout_s}; "
                 "steps still queued may be lost",
@@ -422,7 +427,7 @@ class Watcher:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(outcome_of(exc_type))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"step {self.step}"
@@ -433,8 +438,21 @@ def watcher_of(model: nn.Module) -> Watcher | None:
     return _WATCHED.get(unwrap_model(model))
 
 
+def outcome_of(error: type[BaseException] | None) -> Outcome:
+    """How training ended, from the exception that ended it (None: it did not raise).
+
+    >>> outcome_of(None), outcome_of(KeyboardInterrupt), outcome_of(ValueError)
+    ('FINISHED', 'KILLED', 'FAILED')
+    """
+    if error is None or issubclass(error, SystemExit):
+        return "FINISHED"
+    return "KILLED" if issubclass(error, KeyboardInterrupt) else "FAILED"
+
+
 @atexit.register
 def close_open_watchers() -> None:
-    # A script that never closes its watcher still gets its last steps delivered.
+    # A script that never closes its watcher still gets its last steps delivered; an
+    # exception the interpreter is exiting with is left in sys.last_type.
+    outcome = outcome_of(getattr(sys, "last_type", None))
     for watcher in list(_OPEN):
-        watcher.close()
+        watcher.close(outcome)

@@ -24,9 +24,13 @@ from gradtrack.sinks.base import GradientSink
 logger = logging.getLogger("gradtrack")
 
 
+Outcome = Literal["FINISHED", "FAILED", "KILLED"]
+
+
 @dataclass
 class _Control:
     kind: Literal["flush", "stop"]
+    outcome: Outcome = "FINISHED"
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -122,11 +126,15 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
 
-    def request(self, kind: Literal["flush", "stop"], timeout_s: float) -> bool:
-        """Ask the worker to flush (or flush and close) the sinks; False if it took too long."""
+    def request(
+        self, kind: Literal["flush", "stop"], timeout_s: float, outcome: Outcome = "FINISHED"
+    ) -> bool:
+        """Ask the worker to flush (or flush and close) the sinks; False if it took too long.
+        ``outcome``: how training ended, for sinks that record it (an ``outcome`` attribute:
+        MLflow marks a run it started FINISHED, FAILED or KILLED)."""
         if not self._thread.is_alive():
             return True
-        control = _Control(kind)
+        control = _Control(kind, outcome)
         self._mailbox.put_control(control)
         done = control.done.wait(timeout_s)
         if done and kind == "stop":
@@ -155,6 +163,9 @@ class Worker:
                 records, events = [], []
                 self._deliver("flush")
                 if item.kind == "stop":
+                    for sink in self.sinks:
+                        if hasattr(sink, "outcome"):
+                            sink.outcome = item.outcome
                     self._deliver("close")
                     item.done.set()
                     return
