@@ -25,6 +25,7 @@ histograms every 100 steps by default: the default 10 rounds of 20 steps hold tw
   on the ``layer_every`` steps, 100 by default), "summaries,all": every statistic of every
   layer at every step (``layer_every=1``), gradtrack defaults with the
   MLflow sink (local sqlite), also with one key per layer (``layer_metrics=["norm"]``),
+  gradtrack defaults with a raise rule (memory sink),
   gradtrack with ``activations=True`` (every step).
 """
 
@@ -124,6 +125,9 @@ VARIANTS: dict[str, Setup] = {
     "summaries,all": gradtrack_variant(log_every=1, hist_every=None, layer_every=1),
     "+histograms": gradtrack_variant(log_every=1, hist_every=1),
     "defaults+mlflow": gradtrack_variant(backend="mlflow"),
+    # A raise rule: the rules run in the training thread and the guard's verdict is read at
+    # every step (free on the CPU; one synchronisation per step on an accelerator).
+    "defaults+raise": gradtrack_variant(alerts={"nonfinite": {"action": "raise"}}),
     "defaults+mlflow,norms": gradtrack_variant(backend="mlflow", layer_metrics=("norm",)),
     "activations": gradtrack_variant(log_every=1, hist_every=None, activations=True),
 }

@@ -181,3 +181,22 @@ def test_refused_credentials_stand_in_server_keep_the_steps_and_say_what_to_set(
     assert not any("dropped" in m for m in messages)
     assert all("hunter2" not in m for m in messages)
     assert any("http://***@127.0.0.1" in m for m in messages)
+
+
+def test_nan_at_an_unlogged_step_reaches_mlflow_as_that_step(tmp_path: Path) -> None:
+    """The defaults (log_every=10): a NaN at step 13 is stored as step 13, not 20."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    torch.manual_seed(0)
+    model = SmallCNN()
+    optimizer = NoUpdate(model.parameters())
+    with gradtrack.watch(
+        model, backend="mlflow", optimizer=optimizer, mlflow={"tracking_uri": uri}
+    ) as watcher:
+        train(model, range(25), optimizer, nan_at=13)
+    client = mlflow.MlflowClient(uri)
+    run_id = watcher.sinks[0].run_id
+    assert [m.step for m in client.get_metric_history(run_id, "grad_nan/3")] == [13]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "grad/total_norm")) == [
+        0, 10, 13, 20,
+    ]  # fmt: skip
+    assert client.get_run(run_id).data.tags["gradtrack.first_nonfinite_step"] == "13"
