@@ -17,6 +17,7 @@ import numpy as np
 from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
+from gradtrack.courier import DropCount
 from gradtrack.distributed import RankGroup, rank_layer_norms
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.latch import latched_step
@@ -82,8 +83,10 @@ class Assembler:
         activation_names: Sequence[str] = (),
         ranks: RankGroup | None = None,
         latch_size: int = 0,
+        drops: DropCount | None = None,
     ) -> None:
         self.alert_engine = alert_engine
+        self.drops = drops
         self.latch_size = latch_size  # trailing step flags: a `BadStepLatch` read
         self.part_errors: dict[str, int] = {}
         self._collector = collector
@@ -175,6 +178,7 @@ class Assembler:
             layer_metrics=self._layer_metrics,
             per_layer=pending.per_layer,
             abs_stats=pending.per_layer,
+            dropped_steps=0 if self.drops is None else self.drops.total,
             **self._part("step evidence", lambda: _evidence(flags[:5]), _NONE),
             **self._part(
                 "activation gradients",

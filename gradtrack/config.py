@@ -146,6 +146,11 @@ class GradtrackConfig(BaseModel):
         "drop_oldest", description="When the queue is full: drop the oldest step, or wait."
     )
     max_batch_steps: PositiveInt = Field(32, description="Steps handed to a sink in one write.")
+    sink_buffer_steps: PositiveInt = Field(
+        10_000,
+        description="Steps waiting for one sink's delivery thread (a slow or unreachable "
+        "tracker); past it the oldest are dropped, counted and logged as gradtrack/dropped.",
+    )
     batch_wait_s: float = Field(
         0.5,
         ge=0,

@@ -88,6 +88,9 @@ class StepRecord:
     # guard latched between logged steps (see `gradtrack.latch`): its norms say which
     # layers went non-finite, and its count columns are 0 and never written.
     counted: bool = True
+    # Steps lost so far between the training thread and the sinks (a full queue): written as
+    # gradtrack/dropped once non-zero.
+    dropped_steps: int = 0
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -167,6 +170,8 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     if record.counted:
         metrics[metric_key("grad", "nan_count", model)] = float(record.nan_count)
         metrics[metric_key("grad", "inf_count", model)] = float(record.inf_count)
+    if record.dropped_steps:
+        metrics[metric_key("gradtrack", "dropped", model)] = float(record.dropped_steps)
     extremes = record.extreme_layers()
     if extremes is not None:
         metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]

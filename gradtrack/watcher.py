@@ -20,9 +20,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gradtrack.alerts import AlertEngine, AlertEvent
-from gradtrack.assemble import Assembler, FirstInWindow, PendingStep
+from gradtrack.assemble import Assembler, FirstInWindow, PendingStep, report
 from gradtrack.collect import Collector, Guard
 from gradtrack.config import GradtrackConfig
+from gradtrack.courier import DropCount
 from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_group
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
@@ -85,7 +86,8 @@ class Watcher:
         elif self.collector.local_shards:  # each rank on its own: statistics of its shards
             local = [p.to_local() for p in self.collector.params]  # type: ignore[attr-defined]
             self.collector.tensor_numel = np.array([t.numel() for t in local], dtype=np.int64)
-        self.mailbox = Mailbox(config.queue_size, config.queue_full)
+        self.drops = DropCount(report)
+        self.mailbox = Mailbox(config.queue_size, config.queue_full, self.drops)
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
         self.alert_engine = AlertEngine(config.alerts, self.collector.layer_names, rank)
@@ -93,9 +95,16 @@ class Watcher:
         # optimizer applies the step; otherwise the worker evaluates every rule.
         self._raise_on_alert = "raise" in config.alerts.actions()
         self.assembler = Assembler(
-            self.collector, config, self.alert_engine, self.activation_names, self.ranks
+            self.collector,
+            config,
+            self.alert_engine,
+            self.activation_names,
+            self.ranks,
+            drops=self.drops,
         )
-        self.worker = Worker(self.assembler, sinks, self.mailbox, config, on_alert=on_alert)
+        self.worker = Worker(
+            self.assembler, sinks, self.mailbox, config, on_alert=on_alert, drops=self.drops
+        )
         self.step = 0
         # The first logged step of each layer_every window writes (and computes) every layer.
         self._per_layer_due = FirstInWindow(config.layer_every)
@@ -185,8 +194,10 @@ class Watcher:
 
     @property
     def dropped_steps(self) -> int:
-        """Steps dropped because the queue was full (``queue_full="drop_oldest"``)."""
-        return self.mailbox.dropped
+        """Steps lost to a full queue: the worker's (``queue_full="drop_oldest"``) or a
+        sink's (``sink_buffer_steps``). The first loss is warned about; the count is logged
+        as ``gradtrack/dropped``."""
+        return self.drops.total
 
     @property
     def host_transfers(self) -> int:

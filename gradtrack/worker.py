@@ -1,7 +1,9 @@
 """The worker thread: turns collected steps into `StepRecord`s and hands them to the sinks.
 
-Between the training thread and the worker sits a bounded mailbox; the training thread never
-waits on a sink, and a failing sink is reported once and never stops the others.
+Between the training thread and the worker sits a bounded mailbox; after it, each sink has a
+courier thread of its own (`gradtrack.courier`), so neither the training thread nor the
+worker ever waits on a tracker, and a failing sink is reported once and never stops the
+others.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.assemble import AssembledStep, Assembler, PendingStep, report
 from gradtrack.config import GradtrackConfig
+from gradtrack.courier import Courier, DropCount
 from gradtrack.record import StepRecord
 from gradtrack.sinks.base import GradientSink
 
@@ -41,10 +44,16 @@ _Item = _Step | _Control
 class Mailbox:
     """A bounded queue of steps; control messages (flush, stop) never count against the bound."""
 
-    def __init__(self, capacity: int, when_full: Literal["drop_oldest", "block"]) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        when_full: Literal["drop_oldest", "block"],
+        drops: DropCount | None = None,
+    ) -> None:
         self.capacity = capacity
         self.when_full = when_full
         self.dropped = 0
+        self._drops = drops
         self._items: deque[_Item] = deque()
         self._steps = 0
         self._closed = False
@@ -55,16 +64,24 @@ class Mailbox:
             if self.when_full == "block":
                 self._changed.wait_for(lambda: self._closed or self._steps < self.capacity)
             if self._closed:  # the worker is gone: nothing would ever take it
-                self.dropped += 1
+                self._drop("gradtrack's worker thread has stopped")
                 return
             while self._steps >= self.capacity:
                 oldest = next(i for i, x in enumerate(self._items) if not isinstance(x, _Control))
                 del self._items[oldest]
                 self._steps -= 1
-                self.dropped += 1
+                self._drop(
+                    f"the worker is {self.capacity} steps behind the training loop (raise "
+                    "log_every or queue_size, or queue_full='block' to wait instead)"
+                )
             self._items.append(item)
             self._steps += 1
             self._changed.notify_all()
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        if self._drops is not None:
+            self._drops.add(1, why)
 
     def close(self) -> None:
         """No one takes from it any more: release anyone waiting for room."""
@@ -113,9 +130,10 @@ class Worker:
         mailbox: Mailbox,
         config: GradtrackConfig,
         on_alert: Callable[[AlertEvent], None] | None = None,
+        drops: DropCount | None = None,
     ) -> None:
-        self.sinks = list(sinks)
-        self.sink_errors = [0] * len(self.sinks)
+        drops = drops or DropCount(report)
+        self.couriers = [Courier(sink, config.sink_buffer_steps, drops, report) for sink in sinks]
         self.record_errors = 0
         self.callback_errors = 0
         self.assembler = assembler
@@ -125,6 +143,14 @@ class Worker:
         self._on_alert = on_alert
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
+
+    @property
+    def sinks(self) -> list[GradientSink]:
+        return [courier.sink for courier in self.couriers]
+
+    @property
+    def sink_errors(self) -> list[int]:
+        return [courier.errors for courier in self.couriers]
 
     def request(
         self, kind: Literal["flush", "stop"], timeout_s: float, outcome: Outcome = "FINISHED"
@@ -161,16 +187,28 @@ class Worker:
                     continue
                 self._hand_over(records, events)
                 records, events = [], []
-                self._deliver("flush")
+                self._finish(item)
                 if item.kind == "stop":
-                    for sink in self.sinks:
-                        if hasattr(sink, "outcome"):
-                            sink.outcome = item.outcome
-                    self._deliver("close")
-                    item.done.set()
                     return
-                item.done.set()
             self._hand_over(records, events)
+
+    def _finish(self, control: _Control) -> None:
+        """Have every sink flush (or flush and close) after what it was handed, and mark
+        ``control`` done once all have — waiting for that on a thread of its own, so that
+        a sink stuck on its tracker never holds up the worker."""
+        if control.kind == "stop":
+            for sink in self.sinks:
+                if hasattr(sink, "outcome"):
+                    sink.outcome = control.outcome
+        calls = ("flush", "close") if control.kind == "stop" else ("flush",)
+        finished = [courier.post(call) for courier in self.couriers for call in calls]
+
+        def wait() -> None:
+            for event in finished:
+                event.wait()
+            control.done.set()
+
+        threading.Thread(target=wait, name="gradtrack-flush", daemon=True).start()
 
     def _process(self, item: _Step, records: list[StepRecord], events: list[AlertEvent]) -> None:
         try:
@@ -206,23 +244,11 @@ class Worker:
                     report(f"gradtrack's on_alert callback failed: {exc!r}")
 
     def _hand_over(self, records: list[StepRecord], events: list[AlertEvent]) -> None:
-        self._deliver("write", records)
-        for event in events:
-            self._deliver("alert", event)
-
-    def _deliver(self, method: str, *args: Any) -> None:
-        if method == "write" and not args[0]:
-            return
-        for i, sink in enumerate(self.sinks):
-            try:
-                getattr(sink, method)(*args)
-            except Exception as exc:  # one broken sink must not stop the others
-                self.sink_errors[i] += 1
-                if self.sink_errors[i] == 1:
-                    report(
-                        f"gradtrack sink {type(sink).__name__}.{method} failed: {exc!r}; "
-                        "training and the other sinks go on, further errors are only counted"
-                    )
+        for courier in self.couriers:
+            if records:
+                courier.write(records)
+            for event in events:
+                courier.post("alert", event)
 
 
 def _yield_cpu_to_training() -> None:

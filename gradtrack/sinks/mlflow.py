@@ -24,7 +24,7 @@ from typing import Any
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.histogram_store import HistogramEntry, read_chunks, write_chunk
-from gradtrack.record import StepRecord, safe_key, scalar_metrics
+from gradtrack.record import StepRecord, metric_key, safe_key, scalar_metrics
 from gradtrack.redact import redact
 from gradtrack.sinks.base import require_module
 from gradtrack.sinks.mlflow_tracking import (
@@ -194,9 +194,6 @@ class MlflowSink:
                 path, Path(artifact_path(LAYERS_FILE, self._model)).parent.as_posix()
             )
         timestamp = int(record.wall_time * 1000)
-        metrics = [
-            (key, value, timestamp, record.step) for key, value in scalar_metrics(record).items()
-        ]
         tags = self._extreme_tags(record)
         while len(self._pending) >= self.options.max_buffered_steps:
             self._pending.popleft()
@@ -206,9 +203,14 @@ class MlflowSink:
                     f"gradtrack's MLflow buffer is full ({self.options.max_buffered_steps} steps):"
                     " dropping the oldest; the count is logged as gradtrack/dropped"
                 )
-        if self.dropped != self._reported_dropped:
-            self._reported_dropped = self.dropped
-            metrics.append((DROPPED_KEY, float(self.dropped), timestamp, record.step))
+        values = scalar_metrics(record)
+        dropped_key = metric_key("gradtrack", "dropped", self._model)
+        values.pop(dropped_key, None)  # one count: those lost upstream and in this buffer
+        dropped = record.dropped_steps + self.dropped
+        if dropped != self._reported_dropped:
+            self._reported_dropped = dropped
+            values[dropped_key] = float(dropped)
+        metrics = [(key, value, timestamp, record.step) for key, value in values.items()]
         self._pending.append(_Step(metrics, tags))
         for layer, histogram in record.histograms.items():
             self._histograms.append((record.step, layer, histogram))
