@@ -1,0 +1,78 @@
+"""Nothing lost to the faults a tracking server really has, while training runs at its pace:
+a real `mlflow server` frozen (SIGSTOP), killed and restarted, or starting late."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from tests.sinks.mlflow_server import MlflowServer
+
+mlflow = pytest.importorskip("mlflow")
+
+STEPS = 1200
+STEP_S = 0.025  # the loop's own pace; gradtrack logs every step
+
+
+def freeze(server: MlflowServer, seconds: float) -> None:
+    assert server.process is not None
+    os.killpg(server.process.pid, signal.SIGSTOP)
+    time.sleep(seconds)
+    os.killpg(server.process.pid, signal.SIGCONT)
+
+
+def restart(server: MlflowServer, seconds: float) -> None:
+    server.stop()
+    time.sleep(seconds)
+    server.start()
+
+
+FAULTS = {
+    # fault → (what happens at step 300, whether the server runs at the start)
+    "frozen 15 s": (lambda server: freeze(server, 15.0), True),
+    "killed, restarted 5 s later": (lambda server: restart(server, 5.0), True),
+    "started 10 s late": (lambda server: (time.sleep(10.0), server.start()), False),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_every_step_stored_once_through_a_server_fault(tmp_path: Path, fault: str) -> None:
+    inject, running = FAULTS[fault]
+    server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)
+    if running:
+        server.start()
+    model = nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "cannot reach MLflow": expected
+            watcher = gradtrack.watch(
+                model, backend="mlflow", optimizer=optimizer, log_every=1, hist_every=None,
+                flush_timeout_s=120, mlflow={"tracking_uri": server.uri, "retry_max_s": 2},
+            )  # fmt: skip
+            faulting = threading.Thread(target=inject, args=(server,))
+            for step in range(STEPS):
+                if step == (300 if running else 0):
+                    faulting.start()
+                optimizer.zero_grad()
+                model(torch.randn(8, 16)).pow(2).mean().backward()
+                optimizer.step()
+                time.sleep(STEP_S)
+            faulting.join()
+            watcher.close()
+        assert watcher.dropped_steps == 0
+        run_id = watcher.sinks[0].run_id
+        history = mlflow.MlflowClient(server.uri).get_metric_history(run_id, "grad/total_norm")
+        steps = sorted(m.step for m in history)
+        assert steps == list(range(STEPS))  # every step, each once
+    finally:
+        server.stop()
