@@ -141,7 +141,16 @@ class GradtrackConfig(BaseModel):
     module_types: tuple[type[torch.nn.Module], ...] = Field(
         (), description="Watch only modules of these types (classes or torch.nn names)."
     )
-    queue_size: PositiveInt = Field(64, description="Steps waiting for the worker, at most.")
+    queue_size: PositiveInt = Field(
+        10_000,
+        description="Steps waiting for the worker, at most: room for the worker to fall "
+        "behind a fast loop for a while (a tracker's SDK loading, a busy machine).",
+    )
+    queue_mib: PositiveInt = Field(
+        256,
+        description="Memory the steps waiting for the worker may hold, at most (MiB): "
+        "whichever of the two bounds is reached first applies.",
+    )
     queue_full: Literal["drop_oldest", "block"] = Field(
         "drop_oldest", description="When the queue is full: drop the oldest step, or wait."
     )

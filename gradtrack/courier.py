@@ -7,6 +7,7 @@ a locked database — holds up only its own courier; the steps wait in the couri
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -90,6 +91,7 @@ class Courier:
             )
 
     def _run(self) -> None:
+        yield_cpu_to_training()  # an SDK's import or a store's creation: after training
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: bool(self._calls))
@@ -110,3 +112,12 @@ class Courier:
                     done.set()
             if method == "close":
                 return
+
+
+def yield_cpu_to_training() -> None:
+    """Lower this thread's scheduling priority: on a busy machine the training threads get
+    the cores first and gradtrack's threads catch up in their gaps (Linux; elsewhere a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass

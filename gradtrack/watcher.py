@@ -87,7 +87,9 @@ class Watcher:
             local = [p.to_local() for p in self.collector.params]  # type: ignore[attr-defined]
             self.collector.tensor_numel = np.array([t.numel() for t in local], dtype=np.int64)
         self.drops = DropCount(report)
-        self.mailbox = Mailbox(config.queue_size, config.queue_full, self.drops)
+        self.mailbox = Mailbox(
+            config.queue_size, config.queue_full, self.drops, config.queue_mib << 20
+        )
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
         self.alert_engine = AlertEngine(config.alerts, self.collector.layer_names, rank)

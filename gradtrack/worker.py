@@ -9,7 +9,6 @@ others.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import warnings
 from collections import deque
@@ -20,7 +19,7 @@ from typing import Literal
 from gradtrack.alerts import AlertEvent
 from gradtrack.assemble import AssembledStep, Assembler, PendingStep, report
 from gradtrack.config import GradtrackConfig
-from gradtrack.courier import Courier, DropCount
+from gradtrack.courier import Courier, DropCount, yield_cpu_to_training
 from gradtrack.record import StepRecord
 from gradtrack.sinks.base import GradientSink
 
@@ -41,42 +40,62 @@ _Step = PendingStep | AssembledStep
 _Item = _Step | _Control
 
 
+def _nbytes(item: _Step) -> int:
+    """Memory a queued step holds (its host copies and samples, or its record's rows)."""
+    if isinstance(item, AssembledStep):
+        return sum(record.stats.nbytes for record in item.records)
+    return sum(
+        part.buffer.nbytes + (0 if part.cpu_samples is None else part.cpu_samples.nbytes)
+        for part in item.parts
+    )
+
+
 class Mailbox:
-    """A bounded queue of steps; control messages (flush, stop) never count against the bound."""
+    """A queue of steps bounded in count and in bytes; control messages (flush, stop) never
+    count against the bounds."""
 
     def __init__(
         self,
         capacity: int,
         when_full: Literal["drop_oldest", "block"],
         drops: DropCount | None = None,
+        max_bytes: int = 1 << 62,
     ) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self.when_full = when_full
         self.dropped = 0
         self._drops = drops
         self._items: deque[_Item] = deque()
         self._steps = 0
+        self._bytes = 0
         self._closed = False
         self._changed = threading.Condition()
 
     def put_step(self, item: _Step) -> None:
         with self._changed:
+            size = _nbytes(item)
             if self.when_full == "block":
-                self._changed.wait_for(lambda: self._closed or self._steps < self.capacity)
+                self._changed.wait_for(lambda: self._closed or not self._full(size))
             if self._closed:  # the worker is gone: nothing would ever take it
                 self._drop("gradtrack's worker thread has stopped")
                 return
-            while self._steps >= self.capacity:
+            while self._steps and self._full(size):
                 oldest = next(i for i, x in enumerate(self._items) if not isinstance(x, _Control))
+                self._bytes -= _nbytes(self._items[oldest])  # type: ignore[arg-type]
                 del self._items[oldest]
                 self._steps -= 1
                 self._drop(
-                    f"the worker is {self.capacity} steps behind the training loop (raise "
-                    "log_every or queue_size, or queue_full='block' to wait instead)"
+                    f"the worker is {self._steps + 1} steps behind the training loop (raise "
+                    "log_every, queue_size or queue_mib, or queue_full='block' to wait)"
                 )
             self._items.append(item)
             self._steps += 1
+            self._bytes += size
             self._changed.notify_all()
+
+    def _full(self, adding_bytes: int) -> bool:
+        return self._steps >= self.capacity or self._bytes + adding_bytes > self.max_bytes
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
@@ -88,7 +107,7 @@ class Mailbox:
         with self._changed:
             self._closed = True
             self._items.clear()
-            self._steps = 0
+            self._steps = self._bytes = 0
             self._changed.notify_all()
 
     def put_control(self, item: _Control) -> None:
@@ -113,6 +132,7 @@ class Mailbox:
                 if isinstance(item, _Control):
                     break
                 self._steps -= 1
+                self._bytes -= _nbytes(item)
             self._changed.notify_all()
             return taken
 
@@ -177,7 +197,7 @@ class Worker:
             self._mailbox.close()
 
     def _serve(self) -> None:
-        _yield_cpu_to_training()
+        yield_cpu_to_training()
         while True:
             records: list[StepRecord] = []
             events: list[AlertEvent] = []
@@ -249,15 +269,6 @@ class Worker:
                 courier.write(records)
             for event in events:
                 courier.post("alert", event)
-
-
-def _yield_cpu_to_training() -> None:
-    """Lower this thread's scheduling priority: on a busy machine the training threads get
-    the cores first and the worker catches up in their gaps (Linux; elsewhere a no-op)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
 
 
 class GradientWarning(RuntimeWarning):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -76,3 +79,35 @@ def test_every_step_stored_once_through_a_server_fault(tmp_path: Path, fault: st
         assert steps == list(range(STEPS))  # every step, each once
     finally:
         server.stop()
+
+
+def test_a_cold_start_loses_nothing_in_a_tight_loop(tmp_path: Path) -> None:
+    """A fresh interpreter (mlflow not yet imported) and a fresh embedded store: importing
+    MLflow and creating its tables take seconds while the loop runs as fast as it can."""
+    code = textwrap.dedent(
+        """
+        import torch, gradtrack
+        model = torch.nn.Linear(16, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        watcher = gradtrack.watch(model, backend="mlflow", optimizer=optimizer, log_every=1,
+                                  hist_every=None)
+        for _ in range(3000):
+            optimizer.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            optimizer.step()
+        watcher.close()
+        print(watcher.dropped_steps, watcher.sinks[0].run_id)
+        """
+    )
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    dropped, run_id = result.stdout.split()[-2:]
+    assert dropped == "0"
+    history = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"]).get_metric_history(
+        run_id, "grad/total_norm"
+    )
+    assert sorted(m.step for m in history) == list(range(3000))
