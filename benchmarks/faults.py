@@ -22,8 +22,6 @@ is the comparison.)
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import tempfile
 import threading
@@ -48,27 +46,14 @@ class SlowSink(MemorySink):
         super().write(batch)
 
 
-def _freeze(server: MlflowServer) -> None:
-    assert server.process is not None
-    os.killpg(server.process.pid, signal.SIGSTOP)
-    time.sleep(15.0)
-    os.killpg(server.process.pid, signal.SIGCONT)
-
-
-def _kill(server: MlflowServer) -> None:
-    server.stop()
-    time.sleep(5.0)
-    server.start()
-
-
 def _late(server: MlflowServer) -> None:
     time.sleep(10.0)
     server.start()
 
 
 FAULTS: dict[str, tuple[Callable[[MlflowServer], None] | None, bool]] = {
-    "freeze": (_freeze, True),
-    "kill": (_kill, True),
+    "freeze": (lambda server: server.freeze(15.0), True),
+    "kill": (lambda server: server.restart(5.0), True),
     "late": (_late, False),
     "slow": (None, True),
 }

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from gradtrack.collect import Guard
+from gradtrack.stats import DeviceIndex
 
 
 class BadStepLatch:
@@ -22,7 +23,7 @@ class BadStepLatch:
     def __init__(self, n_tensors: int) -> None:
         self.size = 1 + n_tensors
         self._state: Tensor | None = None
-        self._indices: dict[tuple[torch.device, bytes], Tensor] = {}
+        self._index = DeviceIndex()
 
     def update(self, guard: Guard, step: int) -> None:
         """Latch this step if it is the first non-finite one: no host read, no branch."""
@@ -30,7 +31,7 @@ class BadStepLatch:
         state = self._state_on(part.device)
         fresh = torch.logical_and(~torch.isfinite(part.l2).all(), state[0] < 0)
         state[0] = torch.where(fresh, float(step), state[0])
-        index = self._index_on(part.device, part.index) + 1
+        index = self._index(part.index, part.device) + 1
         state[index] = torch.where(fresh, part.l2, state[index])
 
     def take(self, device: torch.device) -> Tensor:
@@ -43,14 +44,6 @@ class BadStepLatch:
         if self._state is None:  # made on the device: a copy from the host could wait
             self._state = torch.full((self.size,), -1.0, dtype=torch.float64, device=device)
         return self._state
-
-    def _index_on(self, device: torch.device, index: np.ndarray) -> Tensor:
-        key = (device, index.tobytes())
-        if key not in self._indices:
-            if len(self._indices) >= 8:
-                self._indices.clear()
-            self._indices[key] = torch.as_tensor(index, device=device)
-        return self._indices[key]
 
 
 def latched_step(flags: np.ndarray) -> tuple[int, np.ndarray] | None:

@@ -28,6 +28,28 @@ PACK_BELOW_ELEMENTS = 1 << 12
 _COUNT_CHUNK_ELEMENTS = 1 << 25
 
 
+class DeviceIndex:
+    """Row indices kept on their device across steps: a host→device copy every step would
+    wait for the device (pageable memory), and the set of tensors with gradients rarely
+    changes, so a few layouts are remembered.
+
+    >>> DeviceIndex()(np.array([2, 0]), torch.device("cpu"))
+    tensor([2, 0])
+    """
+
+    def __init__(self, layouts: int = 8) -> None:
+        self._layouts = layouts
+        self._on_device: dict[tuple[torch.device, bytes], Tensor] = {}
+
+    def __call__(self, index: np.ndarray, device: torch.device) -> Tensor:
+        key = (device, index.tobytes())
+        if key not in self._on_device:
+            if len(self._on_device) >= self._layouts:
+                self._on_device.clear()
+            self._on_device[key] = torch.as_tensor(index, device=device)
+        return self._on_device[key]
+
+
 @dataclass
 class HostPart:
     """What one device hands to the worker for one step.

@@ -4,7 +4,6 @@ a real `mlflow server` frozen (SIGSTOP), killed and restarted, or starting late.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,23 +25,10 @@ STEPS = 1200
 STEP_S = 0.025  # the loop's own pace; gradtrack logs every step
 
 
-def freeze(server: MlflowServer, seconds: float) -> None:
-    assert server.process is not None
-    os.killpg(server.process.pid, signal.SIGSTOP)
-    time.sleep(seconds)
-    os.killpg(server.process.pid, signal.SIGCONT)
-
-
-def restart(server: MlflowServer, seconds: float) -> None:
-    server.stop()
-    time.sleep(seconds)
-    server.start()
-
-
 FAULTS = {
     # fault → (what happens at step 300, whether the server runs at the start)
-    "frozen 15 s": (lambda server: freeze(server, 15.0), True),
-    "killed, restarted 5 s later": (lambda server: restart(server, 5.0), True),
+    "frozen 15 s": (lambda server: server.freeze(15.0), True),
+    "killed, restarted 5 s later": (lambda server: server.restart(5.0), True),
     "started 10 s late": (lambda server: (time.sleep(10.0), server.start()), False),
 }
 
