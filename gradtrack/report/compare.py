@@ -40,9 +40,10 @@ def rank_layers(runs: list[RunData], rtol: float = DEFAULT_RTOL) -> list[LayerDi
     then the distance below the run's strongest layer (the weakest gradient flow first).
 
     >>> steps, layers = np.array([0, 1]), ["x", "y", "z"]
-    >>> a = RunData("a", "", steps, layers, {"grad_norm": np.array([[1.0, 1, 1], [1, 1, 1]])}, steps)
-    >>> b = RunData("b", "", steps, layers, {"grad_norm": np.array([[1e-6, 1, 1], [1e-6, 1, np.nan]])},
-    ...             steps, logged={"grad_norm": np.ones((2, 3), dtype=bool)})  # a NaN gradient
+    >>> ones, broken = np.ones((2, 3)), np.array([[1e-6, 1, 1], [1e-6, 1, np.nan]])
+    >>> a = RunData("a", "", steps, layers, {"grad_norm": ones}, steps)
+    >>> b = RunData("b", "", steps, layers, {"grad_norm": broken}, steps,
+    ...             logged={"grad_norm": ones > 0})  # logged everywhere: z's NaN is a NaN gradient
     >>> [(d.layer, d.kind, d.first_step, round(d.spread, 3)) for d in rank_layers([a, b])]
     [('z', 'nonfinite', 1, 0.0), ('x', 'value', 0, 6.0), ('y', None, None, 0.0)]
     """

@@ -94,9 +94,7 @@ class RunData:
             return None
         row = int(np.argmax(bad))
         step = int(self.steps[row])
-        origins = [
-            a.origin_layer for a in self.alerts if a.step == step and a.rule == "nonfinite"
-        ]
+        origins = [a.origin_layer for a in self.alerts if a.step == step and a.rule == "nonfinite"]
         if origins and origins[0]:
             return step, origins[0]
         columns = np.flatnonzero(bad_layers[row])

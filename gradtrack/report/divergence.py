@@ -64,7 +64,8 @@ def parts(a: np.ndarray, b: np.ndarray, rtol: float) -> np.ndarray:
     NaN equals NaN and an Inf equals the same Inf (both runs broke the same way); a finite
     value against a non-finite one always differs, as does zero against non-zero.
 
-    >>> parts(np.array([1.0, 1.0, np.nan, 0.0, np.inf]), np.array([1.0, 1.1, np.nan, 1e-30, 5]), 0.01)
+    >>> a, b = np.array([1.0, 1.0, np.nan, 0.0, np.inf]), np.array([1.0, 1.1, np.nan, 1e-30, 5])
+    >>> parts(a, b, rtol=0.01)
     array([False,  True, False,  True,  True])
     """
     with np.errstate(invalid="ignore"):
@@ -154,9 +155,10 @@ def _first_layer_part(
     for family in families:
         va = a.stats[family][np.ix_(rows_a, cols_a)]
         vb = b.stats[family][np.ix_(rows_b, cols_b)]
-        both = a.logged_mask(family)[np.ix_(rows_a, cols_a)] & b.logged_mask(family)[
-            np.ix_(rows_b, cols_b)
-        ]
+        both = (
+            a.logged_mask(family)[np.ix_(rows_a, cols_a)]
+            & b.logged_mask(family)[np.ix_(rows_b, cols_b)]
+        )
         hits.append((family, va, vb, both & parts(va, vb, rtol)))
     any_hit = np.logical_or.reduce([hit for *_, hit in hits])
     rows = np.flatnonzero(any_hit.any(axis=1))
@@ -167,19 +169,17 @@ def _first_layer_part(
     # breaks ties: the norm first).
     best: dict[int, tuple[int, float, str, float, float]] = {}
     for family, va, vb, hit in hits:
-        for j in np.flatnonzero(hit[row]):
+        for j in np.flatnonzero(hit[row]).tolist():
             x, y = va[row, j], vb[row, j]
             score = (int(kind_of(x, y)), float(decades(x, y)), family, float(x), float(y))
             if j not in best or score[:2] > best[j][:2]:
-                best[int(j)] = score
+                best[j] = score
     order = sorted(best, key=lambda j: (-best[j][0], -best[j][1], j))
     severity, gap, family, x, y = best[order[0]]
     return row, [layers[j] for j in order], family, (x, y), severity, gap
 
 
-def _compared_rows(
-    a: RunData, b: RunData, rows_a: np.ndarray, rows_b: np.ndarray
-) -> np.ndarray:
+def _compared_rows(a: RunData, b: RunData, rows_a: np.ndarray, rows_b: np.ndarray) -> np.ndarray:
     """Rows of the common steps where both runs logged something comparable."""
     both = a.total_logged_mask()[rows_a] & b.total_logged_mask()[rows_b]
     layers = [layer for layer in a.layers if layer in b.layers]
