@@ -57,6 +57,15 @@ class WandbOptions(BaseModel):
     profile_every: PositiveInt | None = Field(
         100, description="Log the per-layer gradient-flow profile every N-th step; None: never."
     )
+    pictures: bool = Field(
+        True,
+        description="At close, draw the run's gradient-flow pictures (total norm, flow by "
+        "depth, layers x steps, histograms, alerts) into the run summary as images, "
+        "grad_pictures/<name> (needs matplotlib: gradtrack[report]).",
+    )
+    pictures_every: PositiveInt | None = Field(
+        None, description="Also redraw them every N steps (None: at close only)."
+    )
 
 
 class MlflowOptions(BaseModel):
@@ -83,6 +92,15 @@ class MlflowOptions(BaseModel):
         description="Send buffered steps at most this often: a full request (1,000 metrics), "
         "an alert, flush() and close() go at once. MLflow's stores cost per request as well "
         "as per metric, so fewer, fuller requests cost less. 0: send at every write.",
+    )
+    pictures: bool = Field(
+        True,
+        description="At close, draw the run's gradient-flow pictures (total norm, flow by "
+        "depth, layers x steps, histograms, alerts) and log them as artifacts, "
+        "gradtrack/pictures/*.png and report.html (needs matplotlib: gradtrack[report]).",
+    )
+    pictures_every: PositiveInt | None = Field(
+        None, description="Also redraw them every N steps (None: at close only)."
     )
 
 

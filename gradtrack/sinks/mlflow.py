@@ -39,6 +39,7 @@ HISTOGRAM_DIR = "gradtrack/histograms"
 ALERTS_DIR = "gradtrack"
 ALERTS_FILE = "alerts.jsonl"
 LAYERS_FILE = "gradtrack/layers.json"  # layer names in depth order, for readers
+PICTURES_DIR = "gradtrack/pictures"  # PNGs and report.html the MLflow UI shows
 DROPPED_KEY = "gradtrack/dropped"
 _MAX_TAG_CHARS = 5000
 # An alert goes out at once unless something was sent less than this long ago; then it
@@ -93,15 +94,22 @@ class MlflowSink:
         self._last_sent = -math.inf  # the first write goes out at once: the run appears
         self._alert_waiting = False
         self._outage_reported = False
+        # The report package draws; imported here, not at the top: it sits above the sinks.
+        from gradtrack.report.live import Pictures
+
+        self._pictures = Pictures(self.options.pictures, self.options.pictures_every)
 
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:
         for record in batch:
             self._buffer(record)
+        if self._pictures.add(batch):
+            self._draw_pictures()
         if self._send_due():
             self._pump(until=None)
 
     def alert(self, event: AlertEvent) -> None:
+        self._pictures.alert(event)
         self._alert_count += 1
         with self._alerts_path.open("a") as alerts:
             alerts.write(event.model_dump_json() + "\n")
@@ -134,6 +142,8 @@ class MlflowSink:
 
     def close(self) -> None:
         self._write_histogram_chunk()
+        if self._pictures.due_at_close():
+            self._draw_pictures()
         # Retry within the watcher's own close timeout, with room left to end the run.
         self._pump(until=time.monotonic() + 0.8 * self.config.flush_timeout_s)
         if self.owns_run and self.run_id is not None and not self._pending:
@@ -195,6 +205,12 @@ class MlflowSink:
         path = write_chunk(self._staging, self._histograms)
         self._histograms, self._histogram_steps = [], set()
         self._queue_upload(path, HISTOGRAM_DIR)
+
+    def _draw_pictures(self) -> None:
+        name = self.options.run_name or self.run_id or "gradtrack run"
+        source = f"MLflow run {self.run_id} ({self.tracking_uri})"
+        for path in self._pictures.draw(self._staging / "pictures", name, source):
+            self._queue_upload(path, PICTURES_DIR)
 
     def _queue_upload(self, path: Path, artifact_dir: str) -> None:
         if (path, artifact_dir) not in self._uploads:
