@@ -39,7 +39,8 @@ def read_run(spec: str, tracking_uri: str | None) -> RunData:
 
 
 # When reading began, and the last progress line written off a terminal.
-_progress_clock = {"start": time.monotonic(), "last": 0.0}
+_clock = time.monotonic
+_progress_clock = {"start": _clock(), "last": 0.0}
 
 
 def _progress(label: str, done: int, total: int) -> None:
@@ -47,7 +48,7 @@ def _progress(label: str, done: int, total: int) -> None:
     that long, so a long read shows it is alive and a short one says nothing."""
     finished = bool(total) and done == total
     if not sys.stderr.isatty():
-        now = time.monotonic()
+        now = _clock()
         clock = _progress_clock
         if now - clock["start"] >= 5.0 and now - clock["last"] >= 5.0 and not finished:
             clock["last"] = now
@@ -69,7 +70,9 @@ def check_layers(requested: list[str], runs: list[RunData]) -> None:
     known = list(dict.fromkeys(layer for run in runs for layer in run.layers))
     for layer in requested:
         if layer not in known:
-            close = difflib.get_close_matches(layer, known, n=5, cutoff=0.4)
+            # A parameter's name (``4.weight``) or a part of it names its layer too.
+            related = [name for name in known if name in layer or layer in name]
+            close = list(dict.fromkeys(related + difflib.get_close_matches(layer, known, 5)))[:5]
             hint = f"; closest: {', '.join(close)}" if close else f"; layers: {known[:10]}"
             raise GradtrackError(f"no layer {layer!r} in the runs{hint}")
 
@@ -119,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _progress_clock.update(start=time.monotonic(), last=0.0)
+    _progress_clock.update(start=_clock(), last=0.0)
     # MLflow draws a progress bar on stderr for every artifact it downloads.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     rtol = args.rtol if args.rtol is not None else (0.0 if args.parity else DEFAULT_RTOL)

@@ -142,10 +142,13 @@ class MlflowSink:
 
     def close(self) -> None:
         self._write_histogram_chunk()
-        if self._pictures.due_at_close():
-            self._draw_pictures()
         # Retry within the watcher's own close timeout, with room left to end the run.
-        self._pump(until=time.monotonic() + 0.8 * self.config.flush_timeout_s)
+        deadline = time.monotonic() + 0.8 * self.config.flush_timeout_s
+        self._pump(until=deadline)
+        # Pictures only once the data is out: they must never delay or displace it.
+        if not self._pending and self._pictures.due_at_close():
+            self._draw_pictures()
+            self._pump(until=deadline)
         if self.owns_run and self.run_id is not None and not self._pending:
             try:
                 self._connection().end_run(self.run_id)
