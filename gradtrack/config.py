@@ -179,6 +179,13 @@ class GradtrackConfig(BaseModel):
         "window's first steps only (two more passes over every gradient). 1: everything at "
         "every logged step. Alerts always see every logged step.",
     )
+    layer_schedule: Literal["fixed", "dense_early"] = Field(
+        "fixed",
+        description="Which logged steps write per-layer metrics: 'fixed', the first of every "
+        "layer_every steps; 'dense_early', every logged step at first, then ever sparser "
+        "until one per layer_every (gradtrack.schedule.DenseEarly: a short run gets enough "
+        "points, a long one at most ~250 per-layer steps more than 'fixed').",
+    )
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."
     )
