@@ -165,14 +165,16 @@ def _first_layer_part(
     if not len(rows):
         return None
     row = int(rows[0])
-    # Per layer at that step, its strongest difference over the families (family order
-    # breaks ties: the norm first).
+    # Per layer at that step, its strongest difference over the families; family order
+    # breaks ties, the norm first (a layer scaled as a whole moves every statistic by the
+    # same factor, up to rounding: compared to 1e-9 decades).
     best: dict[int, tuple[int, float, str, float, float]] = {}
     for family, va, vb, hit in hits:
         for j in np.flatnonzero(hit[row]).tolist():
             x, y = va[row, j], vb[row, j]
-            score = (int(kind_of(x, y)), float(decades(x, y)), family, float(x), float(y))
-            if j not in best or score[:2] > best[j][:2]:
+            gap = float(decades(x, y))
+            score = (int(kind_of(x, y)), gap, family, float(x), float(y))
+            if j not in best or (score[0], round(gap, 9)) > (best[j][0], round(best[j][1], 9)):
                 best[j] = score
     order = sorted(best, key=lambda j: (-best[j][0], -best[j][1], j))
     severity, gap, family, x, y = best[order[0]]

@@ -181,7 +181,7 @@ def step_edges(steps: np.ndarray) -> np.ndarray:
     next one, at most the usual (median) spacing — a longer gap shows as not logged.
 
     >>> step_edges(np.array([0, 100, 110, 200])).tolist()
-    [[0.0, 100.0], [100.0, 110.0], [110.0, 200.0], [200.0, 290.0]]
+    [[0.0, 90.0], [100.0, 110.0], [110.0, 200.0], [200.0, 290.0]]
     """
     steps = steps.astype(float)
     if len(steps) == 1:

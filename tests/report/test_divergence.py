@@ -52,6 +52,7 @@ def test_compare_json_names_the_nudged_step_and_layer_and_the_nan_step(
     assert parted["identical_until"] == NUDGE_STEP - 2 and parted["kind"] == "value"
     a, b = parted["values"]
     assert b == pytest.approx(1.5 * a, rel=1e-6)
+    assert parted["statistic"] == "grad_norm"  # every statistic moved ×1.5: the norm is named
     text = pairs["base", "nudged"]["text"]
     assert "identical up to step 28, then part at step 30 in layer 2" in text
 
