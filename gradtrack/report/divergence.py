@@ -167,18 +167,22 @@ def _first_layer_part(
     row = int(rows[0])
     # Per layer at that step, its strongest difference over the families; family order
     # breaks ties, the norm first (a layer scaled as a whole moves every statistic by the
-    # same factor, up to rounding: compared to 1e-9 decades).
+    # same factor, up to float32 rounding: gaps within 1e-6 decades are alike).
     best: dict[int, tuple[int, float, str, float, float]] = {}
     for family, va, vb, hit in hits:
         for j in np.flatnonzero(hit[row]).tolist():
             x, y = va[row, j], vb[row, j]
-            gap = float(decades(x, y))
-            score = (int(kind_of(x, y)), gap, family, float(x), float(y))
-            if j not in best or (score[0], round(gap, 9)) > (best[j][0], round(best[j][1], 9)):
+            score = (int(kind_of(x, y)), float(decades(x, y)), family, float(x), float(y))
+            if j not in best or _stronger(score[:2], best[j][:2]):
                 best[j] = score
     order = sorted(best, key=lambda j: (-best[j][0], -best[j][1], j))
     severity, gap, family, x, y = best[order[0]]
     return row, [layers[j] for j in order], family, (x, y), severity, gap
+
+
+def _stronger(score: tuple[int, float], than: tuple[int, float]) -> bool:
+    """(severity, decades) clearly above ``than``: a stronger kind, or 1e-6 decades more."""
+    return score[0] > than[0] or (score[0] == than[0] and score[1] > than[1] + 1e-6)
 
 
 def _compared_rows(a: RunData, b: RunData, rows_a: np.ndarray, rows_b: np.ndarray) -> np.ndarray:
