@@ -6,6 +6,7 @@ NaN, Inf and exact zero count as the strongest differences; they are never avera
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +51,9 @@ def rank_layers(runs: list[RunData], rtol: float = DEFAULT_RTOL) -> list[LayerDi
     layers = [layer for layer in runs[0].layers if all(layer in run.layers for run in runs)]
     steps = np.array(common_layer_steps(runs), dtype=np.int64)
     norms = np.stack([_norms(run, layers, steps) for run in runs])  # [runs, steps, layers]
-    with np.errstate(all="ignore"):
+    # A layer with no finite norm has an empty mean: NaN, which is the answer, not a warning.
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         logs = np.log10(np.abs(norms))
         logs[~np.isfinite(logs)] = np.nan
         means = np.nanmean(logs, axis=1)  # [runs, layers]

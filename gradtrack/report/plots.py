@@ -92,15 +92,24 @@ def total_norm(runs: list[RunData], divergences: Sequence[Divergence | None] = (
                   marker=marker, markersize=4)  # fmt: skip
         _edge_marks(axes, steps, values, colors[r], r, labels)
     _divergence_lines(axes, runs, divergences, colors)
-    if not any(np.isfinite(_positive(r.total_norm)).any() for r in runs):
-        axes.set_ylim(0.1, 10)  # nothing to scale by: an honest empty axis, marks still show
-        axes.text(0.5, 0.5, "no finite, non-zero total norm", ha="center",
-                  transform=axes.transAxes, color="0.4")  # fmt: skip
+    _log_limits(axes, [run.total_norm for run in runs], "no finite, non-zero total norm")
     _step_limits(axes, runs)
     axes.set(yscale="log", xlabel="step", ylabel="total gradient norm", title="Total gradient norm")
     _legend(axes, len(runs) + len(labels))
     axes.grid(alpha=0.3)
     return figure
+
+
+def _log_limits(axes: Axes, arrays: Sequence[np.ndarray], empty: str) -> None:
+    """y limits from the finite positive values alone (the edge marks live in axes
+    coordinates and must not stretch a log axis); an honest empty axis if there are none."""
+    values = np.concatenate([_positive(a).ravel() for a in arrays]) if arrays else np.array([])
+    values = values[np.isfinite(values)]
+    if len(values):
+        axes.set_ylim(float(values.min()) / 1.6, float(values.max()) * 1.6)
+    else:
+        axes.set_ylim(0.1, 10)
+        axes.text(0.5, 0.5, empty, ha="center", transform=axes.transAxes, color="0.4")
 
 
 def _step_limits(axes: Axes, runs: list[RunData]) -> None:
@@ -164,6 +173,8 @@ def flow_profile(runs: list[RunData], steps: list[int]) -> Figure:
             _edge_marks(axes, depth[logged], values[logged], colors[r], r, labels)
         axes.set(yscale="log", ylabel="gradient norm", title=f"step {step}")
         axes.grid(alpha=0.3)
+    shown = [run.norms[int(np.searchsorted(run.steps, step))] for run in runs for step in steps]
+    _log_limits(axes, shown, "no finite, non-zero layer norm")  # y is shared: every panel
     legend: dict[str, Any] = {}  # one entry per run and per mark, whichever panel drew it
     for panel in figure.axes:
         for handle, label in zip(*panel.get_legend_handles_labels()):

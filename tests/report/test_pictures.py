@@ -16,6 +16,7 @@ import pytest
 from gradtrack.report import plots
 from gradtrack.report.data import Alert, RunData
 from gradtrack.report.divergence import first_divergence
+from gradtrack.report.render import render_report
 from tests.report.conftest import NAN_STEP, ThreeRuns
 from tests.report.test_compare import chromium_console
 from tests.sinks.wandb_records import read_records, summary
@@ -134,6 +135,20 @@ def test_an_exploded_run_alone_is_drawn_not_an_empty_plot() -> None:
     # The one finite point is drawn with a marker, so it is visible on its own.
     (line,) = axes.get_lines()
     assert line.get_marker() == "."
+
+
+def test_a_report_of_runs_with_no_finite_or_no_nonzero_norm_draws_every_picture(
+    tmp_path: Path,
+) -> None:
+    # Warnings are errors here: no "mean of empty slice", no log axis without positive data.
+    for value in (np.nan, 0.0):
+        norms = np.full((4, 3), value)
+        run = run_of(norms, [0, 10, 20, 30], total=np.full(4, value))
+        html = render_report([run], tmp_path / str(value))
+        assert len(list(html.parent.glob("*.png"))) == 4
+        (axes,) = plots.total_norm([run]).axes
+        assert axes.get_ylim() == pytest.approx((0.1, 10))
+        assert any("no finite, non-zero" in t.get_text() for t in axes.texts)
 
 
 def test_heatmap_tells_nan_inf_zero_and_not_logged_apart_at_real_steps() -> None:
