@@ -208,3 +208,47 @@ def test_twenty_runs_of_two_hundred_layers_stay_readable() -> None:
             for axes in figure.axes:
                 assert len(axes.get_yticklabels()) <= 60
                 assert len(axes.get_xticklabels()) <= 60
+
+
+def pictures_of(client: object, run_id: str) -> set[str]:
+    listed = client.list_artifacts(run_id, "gradtrack/pictures")  # type: ignore[attr-defined]
+    return {Path(f.path).name for f in listed}
+
+
+def test_pictures_every_n_steps_reach_mlflow_before_close_and_can_be_turned_off(
+    mlflow_server: object,
+) -> None:
+    import torch
+    from torch import nn
+
+    import gradtrack
+
+    uri = mlflow_server.uri  # type: ignore[attr-defined]
+    client = mlflow.MlflowClient(uri)
+    for pictures in (True, False):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        options = {"tracking_uri": uri, "experiment": "pictures", "pictures": pictures,
+                   "pictures_every": 10, "send_every_s": 0}  # fmt: skip
+        with gradtrack.watch(model, backend="mlflow", log_every=1, mlflow=options) as watcher:
+            for _ in range(12):
+                model(torch.randn(8, 4)).sum().backward()
+            watcher.flush()  # steps 0…11 delivered: step 10 started a new window of 10
+            run_id = watcher.sinks[0].run_id
+            assert (PICTURES <= pictures_of(client, run_id)) is pictures
+        assert (PICTURES <= pictures_of(client, run_id)) is pictures
+
+
+def test_the_kept_history_is_bounded_and_keeps_the_first_nonfinite_step() -> None:
+    from gradtrack.record import StepRecord
+    from gradtrack.report.live import FlowHistory
+
+    history = FlowHistory(max_steps=50, max_layer_steps=20, max_hist_steps=5)
+    for step in range(5_000):
+        bad = step == 1_234
+        stats = np.array([[np.nan if bad else 1.0, 1, 1, 1, 4, 4 if bad else 0, 0]])
+        history.add(StepRecord(step, 0.0, ("fc",), stats, np.nan if bad else 1.0,
+                               per_layer=step % 10 == 0 or bad))  # fmt: skip
+    assert len(history) <= 100
+    run = history.run_data("r", "test")
+    assert len(run.per_layer_steps()) <= 40
+    assert run.first_nonfinite() == (1_234, "fc")
