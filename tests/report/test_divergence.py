@@ -32,7 +32,9 @@ def test_compare_json_names_the_nudged_step_and_layer_and_the_nan_step(
 ) -> None:
     code, summary, stderr = compare_json(three_runs)
     assert code == 0
-    assert stderr == ""  # no download progress bars, no progress lines off a terminal
+    # No download progress bars; off a terminal, at most a line every 5 s of a long read
+    # (there are some only on a machine so busy that reading takes that long).
+    assert all(line.startswith("gradtrack: reading ") for line in stderr.splitlines()), stderr
     base, nudged, nan = summary["runs"]
     assert [r["name"] for r in summary["runs"]] == ["base", "nudged", "nan"]
     assert [r["id"] for r in summary["runs"]] == list(three_runs.ids.values())
