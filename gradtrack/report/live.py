@@ -20,7 +20,6 @@ from gradtrack.record import StepRecord
 from gradtrack.report.data import Alert, RunData
 
 T = TypeVar("T")
-PICTURE_FILES = ("total_norm.png", "flow_profile.png", "heatmap_0.png", "alerts.png")
 
 
 def can_draw() -> bool:
