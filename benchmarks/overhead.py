@@ -16,6 +16,8 @@ histograms every 100 steps by default: the default 10 rounds of 20 steps hold tw
 - base: forward, backward, optimizer step; "base again": the same, as a control of the
   run's noise (it reads 1.00x only on a quiet machine);
 - floor: base + one foreach norm pass over all gradients + one host copy;
+- guard: gradtrack with no step ever logged: its every-step guard alone (exact L2 norms
+  of every gradient and the finite check), to be read beside the floor;
 - recipe: full backward hooks on every leaf module, ``.norm().item()`` per gradient tensor;
 - wandb.watch: ``wandb.watch(model, log="gradients", log_freq=1)``, offline, plus the
   ``run.log`` per step that commits what it staged;
@@ -23,6 +25,7 @@ histograms every 100 steps by default: the default 10 rounds of 20 steps hold tw
   on the ``layer_every`` steps, 100 by default), "summaries,all": every statistic of every
   layer at every step (``layer_every=1``), gradtrack defaults with the
   MLflow sink (local sqlite), also with one key per layer (``layer_metrics=["norm"]``),
+  gradtrack defaults with a raise rule (memory sink),
   gradtrack with ``activations=True`` (every step).
 """
 
@@ -112,6 +115,9 @@ VARIANTS: dict[str, Setup] = {
     "base": base,
     "base again": base,  # A/A control: how far two identical variants read apart in this run
     "floor": floor,
+    # gradtrack's every-step guard alone: no step is ever logged, so what remains is the
+    # one exact L2 pass (and finite check) it makes at every step.
+    "guard": gradtrack_variant(log_every=10**9, hist_every=None),
     "recipe": recipe,
     "wandb.watch": wandb_watch,
     "summaries": gradtrack_variant(log_every=1, hist_every=None),
@@ -119,6 +125,9 @@ VARIANTS: dict[str, Setup] = {
     "summaries,all": gradtrack_variant(log_every=1, hist_every=None, layer_every=1),
     "+histograms": gradtrack_variant(log_every=1, hist_every=1),
     "defaults+mlflow": gradtrack_variant(backend="mlflow"),
+    # A raise rule: the rules run in the training thread and the guard's verdict is read at
+    # every step (free on the CPU; one synchronisation per step on an accelerator).
+    "defaults+raise": gradtrack_variant(alerts={"nonfinite": {"action": "raise"}}),
     "defaults+mlflow,norms": gradtrack_variant(backend="mlflow", layer_metrics=("norm",)),
     "activations": gradtrack_variant(log_every=1, hist_every=None, activations=True),
 }

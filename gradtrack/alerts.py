@@ -47,6 +47,9 @@ class AlertEvent(BaseModel):
     origin_layer: str | None = None
     origin_stage: Stage | None = None
     layers: tuple[str, ...] = ()  # every layer it covers (non-finite: all); () if whole-model
+    # Within its rule's cooldown: not notified (sinks, logs, callbacks never see it), made
+    # only so that a rule whose action is "raise" raises every time.
+    silenced: bool = False
 
     @property
     def title(self) -> str:
@@ -74,7 +77,6 @@ class AlertEngine:
         self._last_fired: dict[tuple[str, str | None], int] = {}
         self._total_norms: deque[float] = deque(maxlen=1000)
         self._amp_skips = 0
-        self.first_nonfinite: AlertEvent | None = None
 
     def set_backward_order(self, layers: Sequence[str]) -> None:
         """Layers in the order their gradients became ready in a backward pass."""
@@ -105,14 +107,16 @@ class AlertEngine:
     ) -> list[AlertEvent]:
         rule = self.rule(rule_name, layer)
         last = self._last_fired.get((rule_name, layer))
-        if last is not None and record.step - last <= rule.cooldown_steps:
+        silenced = last is not None and record.step - last <= rule.cooldown_steps
+        if silenced and rule.action != "raise":
             return []
-        self._last_fired[(rule_name, layer)] = record.step
+        if not silenced:
+            self._last_fired[(rule_name, layer)] = record.step
         fields.setdefault("severity", rule.severity)
         fields.setdefault("layers", (layer,) if layer else ())
         event = AlertEvent(
             step=record.step, wall_time=record.wall_time, rule=rule_name, layer=layer,
-            rank=self.rank, **fields,
+            rank=self.rank, silenced=silenced, **fields,
         )  # fmt: skip
         return [event]
 
@@ -122,13 +126,14 @@ class AlertEngine:
         A deep model whose gradient vanishes trips the rule in hundreds of layers at once;
         that is one finding, and a tracker that notifies per alert must see it once.
         """
-        slots: dict[tuple[str, str, str], int] = {}  # group → its place in the output
+        slots: dict[tuple[str, str, str, str], int] = {}  # group → its place in the output
         groups: list[list[AlertEvent]] = []
         for event in events:
             if event.rule == "nonfinite" or event.layer is None:
                 groups.append([event])
                 continue
-            key = (event.rule, event.severity, self.rule(event.rule, event.layer).action)
+            action = self.rule(event.rule, event.layer).action
+            key = (event.rule, event.severity, action, str(event.silenced))
             if key not in slots:
                 slots[key] = len(groups)
                 groups.append([])
@@ -138,15 +143,14 @@ class AlertEngine:
     # -- rules -----------------------------------------------------------------------------
     def _nonfinite(self, record: StepRecord) -> list[AlertEvent]:
         nan_counts, inf_counts = record.column("nan"), record.column("inf")
-        rows = np.flatnonzero((nan_counts > 0) | (inf_counts > 0))
-        if len(rows) == 0 and math.isfinite(record.total_norm):
-            return []
-        if not self.rule("nonfinite", None).enabled:
+        norms = record.column("norm")  # exact: non-finite only where an element is
+        rows = np.flatnonzero((nan_counts > 0) | (inf_counts > 0) | ~np.isfinite(norms))
+        if len(rows) == 0 or not self.rule("nonfinite", None).enabled:
             return []
         bad = [record.layers[j] for j in rows]
         origin, stage = self.nonfinite_origin(record, bad)
         nan, inf = int(nan_counts[rows].sum()), int(inf_counts[rows].sum())
-        kind = "NaN" if nan else "Inf"
+        kind = "NaN" if nan or np.isnan(norms[rows]).any() else "Inf"
         if stage == "forward":
             where = "the model output (forward pass) was already non-finite"
             advice = (
@@ -167,6 +171,11 @@ class AlertEngine:
                 "norm), and AMP loss scaling (use a GradScaler, or bf16)"
             )
         counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {', '.join(bad[:8])}"
+        if not record.counted:
+            counts = (
+                f"{kind} in {len(bad)} layer(s): {', '.join(bad[:8])} (elements not counted: "
+                "a step between logged steps, latched on the accelerator)"
+            )
         if record.activation_origin is not None:
             counts += (
                 "; the first non-finite activation gradient was at the output of "
@@ -183,14 +192,13 @@ class AlertEngine:
         elif ranks is not None:
             counts += "; every rank's local gradient was finite: the all-reduce overflowed"
         message = f"{kind} gradient {where}. {counts}. Try: {advice}."
-        events = self._emit(
-            record, "nonfinite", origin, statistic="nan_count" if nan else "inf_count",
-            value=float(nan or inf), threshold=0.0, message=message,
+        return self._emit(
+            record, "nonfinite", origin,
+            statistic=("nan_count" if nan else "inf_count") if record.counted else "layers",
+            value=float(nan or inf) if record.counted else float(len(bad)),
+            threshold=0.0, message=message,
             origin_layer=origin, origin_stage=stage, ranks=ranks, layers=tuple(bad),
         )  # fmt: skip
-        if events and self.first_nonfinite is None:
-            self.first_nonfinite = events[0]
-        return events
 
     def nonfinite_origin(self, record: StepRecord, bad: list[str]) -> tuple[str | None, Stage]:
         if record.output_finite is False:

@@ -1,13 +1,15 @@
 """The training thread's share of the work: gather gradients, reduce them, hand them off.
 
-`Collector.collect` launches the batched reductions and one host copy per device; it never
-reads a value back, so on an accelerator it does not wait for the device.
+Every step, `Collector.guard` takes each gradient's exact L2 norm in one batched pass; on
+logged (and bad) steps `Collector.collect` adds the rest and one host copy per device. Neither
+reads a value back, so on an accelerator neither waits for the device.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,16 +17,47 @@ from torch import Tensor
 
 from gradtrack.layers import Layer
 from gradtrack.stats import (
-    PACK_BELOW_ELEMENTS,
     HostPart,
+    abs_norms,
     copy_to_host,
     fill_nonfinite_counts,
+    l2_norms,
     nonfinite_counts,
-    packed_norms,
     sample_bounds,
     sample_elements,
-    tensor_norms,
+    stat_rows,
 )
+
+
+@dataclass
+class DeviceGrads:
+    """One device's gradients at one step, grouped by dtype, with their exact L2 norms."""
+
+    device: torch.device
+    foreach_only: bool  # the accelerator kernel path (kernels per step independent of depth)
+    index: np.ndarray  # for each row: the tensor's index in `Collector.params`
+    groups: list[tuple[slice, list[Tensor]]]  # per dtype: its rows and its gradients
+    l2: Tensor  # float64 [rows], on the device
+
+
+@dataclass
+class Guard:
+    """What every step computes, logged or not: the present gradients and their L2 norms
+    (one batched pass, the cost of `clip_grad_norm_`'s), kept on their devices."""
+
+    devices: list[DeviceGrads]
+
+    def finite(self, wait: bool = False) -> bool | None:
+        """Whether every gradient is finite; None if only a host sync could tell (an
+        accelerator, unless ``wait``: a raise rule may pay one sync per step)."""
+        if not wait and any(part.device.type != "cpu" for part in self.devices):
+            return None
+        return all(
+            bool(np.isfinite(part.l2.numpy()).all())
+            if part.device.type == "cpu"
+            else bool(torch.isfinite(part.l2).all())  # the one sync a raise rule may cost
+            for part in self.devices
+        )
 
 
 class Collector:
@@ -51,22 +84,10 @@ class Collector:
         self.local_shards = False
         self.reduce_shards: Callable[[Tensor, np.ndarray, int], Tensor] | None = None
 
-    def collect(
-        self, with_samples: bool, flags: Sequence[Tensor | None] = (), full: bool = True
-    ) -> list[HostPart]:
-        """Reduce every present gradient; one `HostPart` per device (usually one).
-
-        ``flags``, step evidence (tensors read as float64, None for unknown), ride along in
-        the first part: in its host copy on an accelerator, read directly on the CPU.
-        Without ``full`` only the L2 norms and NaN/Inf counts are computed (L1 and max NaN).
-        """
-        # Keyed by device, dtype and reduction: on the CPU, the full statistics of small
-        # tensors are reduced packed together (`stats.packed_norms`), the rest per tensor
-        # (`stats.tensor_norms`; for L2 alone one foreach call is cheaper than packing).
-        groups: dict[tuple[torch.device, torch.dtype, bool], tuple[list[int], list[Tensor]]]
+    def guard(self) -> Guard:
+        """Every present gradient's exact L2 norm, grouped per device and dtype."""
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[Tensor]]]
         groups = defaultdict(lambda: ([], []))
-        foreach_only: dict[torch.device, bool] = {}
-        pack_below = PACK_BELOW_ELEMENTS if full else 0
         with torch.no_grad():
             for i, param in enumerate(self.params):
                 grad = param.grad
@@ -77,51 +98,77 @@ class Collector:
                 if grad.is_sparse:
                     # The dense gradient's statistics: implicit zeros add nothing to the sums.
                     grad = grad.coalesce()._values()
-                numel = grad.numel()
-                if numel == 0:
+                if grad.is_complex():  # summarised as |z|: the norm of the complex tensor
+                    grad = grad.abs()
+                if grad.numel() == 0:
                     grad = self._placeholder(grad)
-                device = grad.device
-                if device not in foreach_only:
-                    foreach_only[device] = (
-                        device.type != "cpu" if self.foreach_only is None else self.foreach_only
-                    )
-                packed = numel < pack_below and not foreach_only[device]
-                indices, grads = groups[(device, grad.dtype, packed)]
+                indices, grads = groups[(grad.device, grad.dtype)]
                 indices.append(i)
                 grads.append(grad)
-            by_device: dict[torch.device, list[tuple[bool, list[int], list[Tensor]]]]
+            by_device: dict[torch.device, list[tuple[list[int], list[Tensor]]]]
             by_device = defaultdict(list)
-            for (device, _, packed), (indices, grads) in groups.items():
-                by_device[device].append((packed, indices, grads))
+            for (device, _), group in groups.items():
+                by_device[device].append(group)
+            return Guard([self._device_grads(d, g) for d, g in by_device.items()])
+
+    def _device_grads(
+        self, device: torch.device, groups: list[tuple[list[int], list[Tensor]]]
+    ) -> DeviceGrads:
+        foreach_only = device.type != "cpu" if self.foreach_only is None else self.foreach_only
+        slices, start = [], 0
+        for indices, _ in groups:
+            slices.append(slice(start, start + len(indices)))
+            start += len(indices)
+        norms = [l2_norms(grads, on_host=not foreach_only) for _, grads in groups]
+        return DeviceGrads(
+            device,
+            foreach_only,
+            np.concatenate([np.asarray(indices, dtype=np.int64) for indices, _ in groups]),
+            [(rows, grads) for rows, (_, grads) in zip(slices, groups)],
+            torch.cat(norms) if len(norms) > 1 else norms[0],
+        )
+
+    def collect(
+        self,
+        guard: Guard,
+        with_samples: bool,
+        flags: Sequence[Tensor | None] = (),
+        full: bool = True,
+    ) -> list[HostPart]:
+        """The step's statistics from its ``guard``; one `HostPart` per device (usually one).
+
+        ``flags``, step evidence (tensors read as float64, None for unknown), ride along in
+        the first part: in its host copy on an accelerator, read directly on the CPU.
+        Without ``full`` only the guard's L2 norms and the NaN/Inf counts are taken (L1 and
+        max NaN): L1 and max cost two more passes over every gradient.
+        """
+        with torch.no_grad():
             return [
-                self._reduce_device(
-                    device, group, foreach_only[device], with_samples, flags if i == 0 else (), full
-                )
-                for i, (device, group) in enumerate(by_device.items())
+                self._reduce_device(part, with_samples, flags if i == 0 else (), full)
+                for i, part in enumerate(guard.devices)
             ]
 
     def _reduce_device(
-        self,
-        device: torch.device,
-        groups: list[tuple[bool, list[int], list[Tensor]]],
-        foreach_only: bool,
-        with_samples: bool,
-        flags: Sequence[Tensor | None],
-        full: bool,
+        self, part: DeviceGrads, with_samples: bool, flags: Sequence[Tensor | None], full: bool
     ) -> HostPart:
-        stats, samples, all_grads = [], [], []
-        for packed, indices, grads in groups:
-            group_stats = packed_norms(grads) if packed else tensor_norms(grads, foreach_only, full)
+        device, foreach_only = part.device, part.foreach_only
+        if full:
+            on_host = not foreach_only
+            l1, linf = zip(*(abs_norms(grads, on_host) for _, grads in part.groups))
+            rows = stat_rows(part.l2, torch.cat(l1), torch.cat(linf))
+        else:
+            rows = stat_rows(part.l2)
+        samples, all_grads = [], []
+        for group_rows, grads in part.groups:
             if foreach_only:
-                group_stats[:, 3:] = nonfinite_counts(grads)
-            stats.append(group_stats)
+                rows[group_rows, 3:] = nonfinite_counts(grads)
             if with_samples:
+                indices = part.index[group_rows]
                 counts = self.sample_counts[indices].tolist()
                 bounds = self._sample_bounds(device, indices, grads, counts)
                 samples.append(sample_elements(grads, counts, self._generator(device), bounds))
             all_grads.extend(grads)
-        tensor_index = np.concatenate([np.asarray(indices) for _, indices, _ in groups])
-        rows = torch.cat(stats) if len(stats) > 1 else stats[0]
+        tensor_index = part.index
         if not foreach_only:  # CPU rows: count NaN/Inf now, where norms came out non-finite
             fill_nonfinite_counts(rows.numpy(), all_grads)
         if self.reduce_shards is not None:
@@ -157,11 +204,11 @@ class Collector:
         )
 
     def _sample_bounds(
-        self, device: torch.device, indices: list[int], grads: list[Tensor], counts: list[int]
+        self, device: torch.device, indices: np.ndarray, grads: list[Tensor], counts: list[int]
     ) -> Tensor:
         """`stats.sample_bounds` for this set of tensors, kept on the device across steps
         (a copy to an accelerator every step would wait for it)."""
-        key = (device, np.asarray(indices).tobytes(), tuple(g.numel() for g in grads))
+        key = (device, indices.tobytes(), tuple(g.numel() for g in grads))
         if key not in self._bounds:
             if len(self._bounds) >= 8:
                 self._bounds.clear()

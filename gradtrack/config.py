@@ -38,6 +38,8 @@ ENV_PREFIX = "GRADTRACK_"
 ENV_CONFIG_FILE = "GRADTRACK_CONFIG"
 
 ConfigSource = Union["GradtrackConfig", Mapping[str, Any], str, os.PathLike, None]
+# No timeout or interval is meant to be longer: an infinite one would hang close() forever.
+_HOUR_S = 3600.0
 
 
 class WandbOptions(BaseModel):
@@ -78,17 +80,23 @@ class MlflowOptions(BaseModel):
     )
     experiment: str = Field("gradtrack", description="Experiment of a run gradtrack starts.")
     run_name: str | None = Field(None, description="Name of a run gradtrack starts.")
-    request_timeout_s: float = Field(10.0, gt=0, description="Timeout of one request.")
+    request_timeout_s: float = Field(
+        10.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Timeout of one request."
+    )
     max_buffered_steps: PositiveInt = Field(
         10_000, description="Steps kept while the server is unreachable; then the oldest go."
     )
-    retry_max_s: float = Field(30.0, gt=0, description="Longest wait between retries.")
+    retry_max_s: float = Field(
+        30.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Longest wait between retries."
+    )
     hist_chunk_steps: PositiveInt = Field(
         100, description="Histogram steps per stored file (also written at flush and close)."
     )
     send_every_s: float = Field(
         5.0,
         ge=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
         description="Send buffered steps at most this often: a full request (1,000 metrics), "
         "an alert, flush() and close() go at once. MLflow's stores cost per request as well "
         "as per metric, so fewer, fuller requests cost less. 0: send at every write.",
@@ -151,19 +159,47 @@ class GradtrackConfig(BaseModel):
     module_types: tuple[type[torch.nn.Module], ...] = Field(
         (), description="Watch only modules of these types (classes or torch.nn names)."
     )
-    queue_size: PositiveInt = Field(64, description="Steps waiting for the worker, at most.")
+    queue_size: PositiveInt = Field(
+        10_000,
+        description="Steps waiting for the worker, at most: room for the worker to fall "
+        "behind a fast loop for a while (a tracker's SDK loading, a busy machine).",
+    )
+    queue_mib: PositiveInt = Field(
+        256,
+        description="Memory the steps waiting for the worker may hold, at most (MiB): "
+        "whichever of the two bounds is reached first applies.",
+    )
     queue_full: Literal["drop_oldest", "block"] = Field(
         "drop_oldest", description="When the queue is full: drop the oldest step, or wait."
     )
     max_batch_steps: PositiveInt = Field(32, description="Steps handed to a sink in one write.")
+    sink_buffer_steps: PositiveInt = Field(
+        10_000,
+        description="Steps waiting for one sink's delivery thread (a slow or unreachable "
+        "tracker); past it the oldest are dropped, counted and logged as gradtrack/dropped.",
+    )
     batch_wait_s: float = Field(
-        0.5, ge=0, description="How long the worker lets steps gather before handing them on."
+        0.5,
+        ge=0,
+        le=60,
+        allow_inf_nan=False,
+        description="How long the worker lets steps gather before handing them on.",
     )
-    flush_timeout_s: float = Field(30.0, gt=0, description="How long close() waits for sinks.")
+    flush_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
+        description="How long close() waits for sinks.",
+    )
     console_interval_s: float = Field(
-        5.0, ge=0, description="The console sink prints a table at most this often."
+        5.0,
+        ge=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
+        description="The console sink prints a table at most this often.",
     )
-    seed: int = Field(0, description="Seed of gradtrack's own sampling generator.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of gradtrack's own sampling generator.")
     layer_metrics: tuple[Literal["norm", "max_abs", "mean_abs", "rms"], ...] = Field(
         ("norm", "max_abs", "mean_abs", "rms"),
         description="Per-layer statistics written as metrics (grad_norm/, grad_max/, "

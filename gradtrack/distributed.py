@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
-from gradtrack.stats import L2, LINF, TENSOR_COLUMNS
+from gradtrack.stats import L2, LINF, TENSOR_COLUMNS, DeviceIndex
 
 Layout = Literal["replicated", "sharded"]
 
@@ -55,11 +55,7 @@ class RankGroup:
     group: Any  # a ProcessGroup; None means the default group
     rank: int
     world_size: int
-    # Row indices already on the device: a host→device copy each step would wait for the
-    # device (pageable memory), and the set of tensors with gradients rarely changes.
-    _indices: dict[tuple[torch.device, bytes], Tensor] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    _index: DeviceIndex = field(default_factory=DeviceIndex, compare=False, repr=False)
 
     def all_gather(self, local: Tensor) -> Tensor:
         """[world_size, *local.shape]: every rank's ``local``, in rank order (one collective)."""
@@ -79,7 +75,7 @@ class RankGroup:
     def reduce_shards(self, rows: Tensor, tensor_index: np.ndarray, n_tensors: int) -> Tensor:
         """Full-gradient rows from each rank's shard rows (see `stats.tensor_norms`)."""
         local = rows.new_zeros(n_tensors, TENSOR_COLUMNS)
-        index = self._on_device(tensor_index, rows.device)
+        index = self._index(tensor_index, rows.device)
         local[index] = rows
         local[:, L2] = local[:, L2].square()
         gathered = self.all_gather(local)
@@ -87,14 +83,6 @@ class RankGroup:
         full[:, L2] = full[:, L2].sqrt()
         full[:, LINF] = gathered[:, :, LINF].amax(dim=0)  # NaN anywhere stays NaN
         return full[index]
-
-    def _on_device(self, tensor_index: np.ndarray, device: torch.device) -> Tensor:
-        key = (device, tensor_index.tobytes())
-        if key not in self._indices:
-            if len(self._indices) >= 8:
-                self._indices.clear()
-            self._indices[key] = torch.as_tensor(tensor_index, device=device)
-        return self._indices[key]
 
 
 def rank_group(model: nn.Module, params: list[nn.Parameter]) -> RankGroup | None:

@@ -47,7 +47,30 @@ def bin_samples(samples: np.ndarray, bins: int, scale: str = "linear") -> Histog
         zeros = int(finite.size - nonzero.size)
         if nonzero.size == 0:
             return Histogram(np.array([0.0, 1.0]), np.zeros(1, dtype=np.int64), scale, zeros)
-        counts, edges = np.histogram(np.log10(nonzero), bins=bins)
+        values = np.log10(nonzero)
+        counts, edges = np.histogram(values, bins=bin_edges(values, bins))
         return Histogram(edges, counts.astype(np.int64), scale, zeros)
-    counts, edges = np.histogram(finite, bins=bins)
+    counts, edges = np.histogram(finite, bins=bin_edges(finite, bins))
     return Histogram(edges=edges, counts=counts.astype(np.int64))
+
+
+def bin_edges(values: np.ndarray, bins: int) -> np.ndarray:
+    """``bins + 1`` increasing edges spanning the finite ``values``, for any range numpy
+    cannot split itself: one value (a constant gradient), a span below the values'
+    resolution, |g| near the float maximum, subnormals.
+
+    >>> bin_edges(np.array([2.0, 2.0]), 2).tolist()
+    [1.999, 2.0, 2.001]
+    >>> edges = bin_edges(np.array([1e300, -1e300, 1.7e308]), 4)
+    >>> bool(np.all(np.isfinite(edges)) and np.all(np.diff(edges) > 0))
+    True
+    """
+    low, high = float(values.min()), float(values.max())
+    # The narrowest span whose bins stay distinct at this magnitude (fp64 spacing), or 0.1 %.
+    least = max(abs(low), abs(high)) * max(1e-3, 4 * bins * np.finfo(np.float64).eps)
+    least = max(least, bins * float(np.finfo(np.float64).smallest_normal))
+    if high - low < least:
+        middle = low / 2 + high / 2
+        low, high = middle - least / 2, middle + least / 2
+    # Halves first: high - low can overflow when both ends are near the float maximum.
+    return low + (np.linspace(0.0, 1.0, bins + 1) * (high / 2 - low / 2)) * 2

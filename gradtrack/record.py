@@ -84,6 +84,13 @@ class StepRecord:
     # Whether max |g| and mean |g| were computed (on the steps ``layer_every`` makes per-layer:
     # they cost two more passes over every gradient); NaN in ``stats`` otherwise.
     abs_stats: bool = True
+    # Whether NaN/Inf elements were counted. Not at a non-finite step that an accelerator's
+    # guard latched between logged steps (see `gradtrack.latch`): its norms say which
+    # layers went non-finite, and its count columns are 0 and never written.
+    counted: bool = True
+    # Steps lost so far between the training thread and the sinks (a full queue): written as
+    # gradtrack/dropped once non-zero.
+    dropped_steps: int = 0
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -159,11 +166,12 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     'grad/total_norm'
     """
     model = record.model_name
-    metrics = {
-        metric_key("grad", "total_norm", model): record.total_norm,
-        metric_key("grad", "nan_count", model): float(record.nan_count),
-        metric_key("grad", "inf_count", model): float(record.inf_count),
-    }
+    metrics = {metric_key("grad", "total_norm", model): record.total_norm}
+    if record.counted:
+        metrics[metric_key("grad", "nan_count", model)] = float(record.nan_count)
+        metrics[metric_key("grad", "inf_count", model)] = float(record.inf_count)
+    if record.dropped_steps:
+        metrics[metric_key("gradtrack", "dropped", model)] = float(record.dropped_steps)
     extremes = record.extreme_layers()
     if extremes is not None:
         metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]
@@ -202,19 +210,19 @@ def summarise_layers(
     n = len(layer_names)
     weights = {"minlength": n}
     l2, l1, linf, nan, inf = tensor_stats.T
-    sumsq = np.bincount(tensor_layer, l2 * l2, **weights)
     present = np.bincount(tensor_layer, **weights) > 0
     max_abs = np.full(n, -np.inf)
     with np.errstate(invalid="ignore"):
         np.maximum.at(max_abs, tensor_layer, linf)
     numel = np.bincount(tensor_layer, tensor_numel.astype(np.float64), **weights)
     safe_numel = np.maximum(numel, 1.0)  # an empty layer's gradient is all (no) zeros
+    norms = _root_sum_squares(l2, tensor_layer, n)
     rows = np.stack(
         [
-            np.sqrt(sumsq),
+            norms,
             max_abs,
             np.bincount(tensor_layer, l1, **weights) / safe_numel,
-            np.sqrt(sumsq / safe_numel),
+            norms / np.sqrt(safe_numel),
             numel,
             np.bincount(tensor_layer, nan, **weights),
             np.bincount(tensor_layer, inf, **weights),
@@ -222,4 +230,21 @@ def summarise_layers(
         axis=1,
     )[present]
     names = tuple(name for name, keep in zip(layer_names, present) if keep)
-    return names, rows, float(np.sqrt(sumsq[present].sum()))
+    total = _root_sum_squares(norms[present], np.zeros(int(present.sum()), np.int64), 1)
+    return names, rows, float(total[0]) if len(total) else 0.0
+
+
+def _root_sum_squares(values: np.ndarray, groups: np.ndarray, n: int) -> np.ndarray:
+    """sqrt(sum of squares) per group, scaled by each group's largest value so that squares
+    of norms near fp64's limits neither overflow nor underflow; NaN and Inf propagate.
+
+    >>> _root_sum_squares(np.array([3e200, 4e200, 1e-200]), np.array([0, 0, 1]), 2)
+    array([5.e+200, 1.e-200])
+    """
+    scale = np.zeros(n)
+    np.fmax.at(scale, groups, values)  # fmax: a NaN does not hide the finite maximum
+    usable = np.isfinite(scale) & (scale > 0)
+    divisor = np.where(usable, scale, 1.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = values / divisor[groups]
+        return np.sqrt(np.bincount(groups, ratio * ratio, minlength=n)) * divisor

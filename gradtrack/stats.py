@@ -28,6 +28,28 @@ PACK_BELOW_ELEMENTS = 1 << 12
 _COUNT_CHUNK_ELEMENTS = 1 << 25
 
 
+class DeviceIndex:
+    """Row indices kept on their device across steps: a host→device copy every step would
+    wait for the device (pageable memory), and the set of tensors with gradients rarely
+    changes, so a few layouts are remembered.
+
+    >>> DeviceIndex()(np.array([2, 0]), torch.device("cpu"))
+    tensor([2, 0])
+    """
+
+    def __init__(self, layouts: int = 8) -> None:
+        self._layouts = layouts
+        self._on_device: dict[tuple[torch.device, bytes], Tensor] = {}
+
+    def __call__(self, index: np.ndarray, device: torch.device) -> Tensor:
+        key = (device, index.tobytes())
+        if key not in self._on_device:
+            if len(self._on_device) >= self._layouts:
+                self._on_device.clear()
+            self._on_device[key] = torch.as_tensor(index, device=device)
+        return self._on_device[key]
+
+
 @dataclass
 class HostPart:
     """What one device hands to the worker for one step.
@@ -80,60 +102,164 @@ class HostPart:
         return self.buffer.numpy()[self._float64_words :]
 
 
-def tensor_norms(grads: list[Tensor], foreach_only: bool = True, full: bool = True) -> Tensor:
-    """[len(grads), 5] float64: L2 norm, L1 norm, max |g|, then zeros for the NaN/Inf counts.
+def l2_norms(grads: list[Tensor], on_host: bool) -> Tensor:
+    """float64 [len(grads)]: each gradient's exact L2 norm (the guard's one pass).
 
-    ``grads`` share one device and dtype, and none is empty. fp16/bf16 accumulate in fp32.
-    NaN anywhere makes the norms NaN; ±Inf without NaN makes L2 and max Inf.
-    ``foreach_only`` keeps the kernel count independent of ``len(grads)`` (what accelerators
-    need). Without it (CPU), max |g| comes from one min/max pass per tensor (~8x faster than
-    CPU's max-norm kernel); `packed_norms` is the CPU path for many small tensors.
-    Without ``full`` only L2 is computed (one pass instead of three); L1 and max are NaN.
+    ``grads`` share one device and dtype, and none is empty. On accelerators (``on_host``
+    False) one foreach kernel accumulates in fp64. On the CPU, whose fp64 reductions copy
+    the tensor first (~12x slower), fp32 partial sums are exact enough in chunks
+    (`_cpu_norms`) and the rare norms fp32 cannot hold (overflow, underflow) are redone in
+    fp64 (`_repair`), so a finite gradient always has a finite, non-zero-if-non-zero norm.
+    NaN anywhere makes the norm NaN; ±Inf without NaN makes it Inf.
 
-    >>> tensor_norms([torch.tensor([3.0, -4.0])])
-    tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
-    >>> tensor_norms([torch.tensor([3.0, -4.0])], foreach_only=False)
-    tensor([[5., 7., 4., 0., 0.]], dtype=torch.float64)
-    >>> tensor_norms([torch.tensor([3.0, -4.0])], full=False)
-    tensor([[5., nan, nan, 0., 0.]], dtype=torch.float64)
+    >>> l2_norms([torch.tensor([3.0, -4.0]), torch.full((10_000,), 1e18)], on_host=True)
+    tensor([5.0000e+00, 1.0000e+20], dtype=torch.float64)
+    >>> l2_norms([torch.full((10_000,), 1e-24)], on_host=True)
+    tensor([1.0000e-22], dtype=torch.float64)
     """
-    accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
-    l2 = torch.stack(torch._foreach_norm(grads, 2, dtype=accumulate)).double()
-    if not full:
-        return _rows(l2)
-    l1 = torch._foreach_norm(grads, 1, dtype=accumulate)
-    if foreach_only:
-        linf = torch.stack(torch._foreach_norm(grads, math.inf, dtype=accumulate))
-    else:  # NaN propagates through aminmax and maximum, as through the max-norm.
-        low, high = zip(*(torch.aminmax(g) for g in grads))
-        linf = torch.maximum(torch.stack(high), torch.stack(low).neg())
-    return _rows(l2, torch.stack(l1).double(), linf.double())
+    if not on_host:
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+    norms = _cpu_norms(grads, 2)
+    _repair(norms, grads, 2)
+    return norms
 
 
-def packed_norms(grads: list[Tensor]) -> Tensor:
+def abs_norms(grads: list[Tensor], on_host: bool) -> tuple[Tensor, Tensor]:
+    """float64 (L1 norm, max |g|) per gradient: the two extra passes of a per-layer step.
+
+    On the CPU, tensors below `PACK_BELOW_ELEMENTS` are reduced packed together in fp64
+    (`packed_abs_norms`), longer ones by a cascaded sum and one min/max pass each.
+
+    >>> abs_norms([torch.tensor([3.0, -4.0])], on_host=True)
+    (tensor([7.], dtype=torch.float64), tensor([4.], dtype=torch.float64))
+    >>> abs_norms([torch.tensor([3.0, -4.0])], on_host=False)
+    (tensor([7.], dtype=torch.float64), tensor([4.], dtype=torch.float64))
+    """
+    if not on_host:
+        l1 = torch.stack(torch._foreach_norm(grads, 1, dtype=torch.float64))
+        return l1, torch.stack(torch._foreach_norm(grads, math.inf)).double()
+    small = [i for i, g in enumerate(grads) if g.numel() < PACK_BELOW_ELEMENTS]
+    large = [i for i, g in enumerate(grads) if g.numel() >= PACK_BELOW_ELEMENTS]
+    l1 = torch.empty(len(grads), dtype=torch.float64)
+    linf = torch.empty(len(grads), dtype=torch.float64)
+    if small:
+        l1[small], linf[small] = packed_abs_norms([grads[i] for i in small])
+    if large:
+        big = [grads[i] for i in large]
+        l1[large] = _cpu_norms(big, 1)
+        # NaN propagates through aminmax and maximum, as through the max-norm.
+        low, high = zip(*(torch.aminmax(g) for g in big))
+        linf[large] = torch.maximum(torch.stack(high), torch.stack(low).neg()).double()
+    _repair(l1, grads, 1)
+    return l1, linf
+
+
+def packed_abs_norms(grads: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Many small tensors at once: per-tensor overheads (a stack costs ~2 µs per tensor)
     dominate them, so copy them into one fp64 buffer and reduce it by segments.
 
-    >>> packed_norms([torch.tensor([3.0, -4.0]), torch.tensor([[-2.0]])])
-    tensor([[5., 7., 4., 0., 0.],
-            [2., 2., 2., 0., 0.]], dtype=torch.float64)
+    >>> packed_abs_norms([torch.tensor([3.0, -4.0]), torch.tensor([[-2.0]])])
+    (tensor([7., 2.], dtype=torch.float64), tensor([4., 2.], dtype=torch.float64))
     """
     # One C++ call flattens and concatenates (DDP's bucketing uses the same helper). It
-    # returns a single tensor's own storage: copy, since the reductions below work in place.
+    # returns a single tensor's own storage: copy, since the reduction below works in place.
     absolute = _flatten_dense_tensors(grads).to(torch.float64, copy=True).abs_()
     lengths = torch.tensor([g.numel() for g in grads], device=absolute.device)
     l1 = torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True)
-    linf = torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
-    l2 = torch.segment_reduce(absolute.square_(), "sum", lengths=lengths, unsafe=True).sqrt_()
-    return _rows(l2, l1, linf)
+    return l1, torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
 
 
-def _rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) -> Tensor:
-    """Per-tensor rows from float64 columns; L1 and max NaN when not computed."""
+def stat_rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) -> Tensor:
+    """[n, 5] float64 rows (L2, L1, max, NaN, Inf); L1 and max NaN when not computed, the
+    counts zero until counted.
+
+    >>> stat_rows(torch.tensor([5.0], dtype=torch.float64))
+    tensor([[5., nan, nan, 0., 0.]], dtype=torch.float64)
+    """
     zeros = torch.zeros_like(l2)
     if l1 is None or linf is None:
         l1 = linf = torch.full_like(l2, math.nan)
     return torch.stack([l2, l1, linf, zeros, zeros], dim=1)
+
+
+# CPU: tensors longer than this are reduced in chunks of this many elements, in the same
+# foreach call as the rest, and the chunks' fp32 results added in fp64. CPU's norm kernels
+# accumulate a long tensor in fp32 (measured: L2 1.5e-4 relative error at 6.4 M elements);
+# chunks keep it near 1e-7 at the same speed. (Rows reduced along a dimension would be as
+# exact, but such reductions stall for milliseconds on a loaded machine's thread pool.)
+# fp16/bf16 values square exactly in fp32, and the rounding of their sums is biased, not
+# random: 32,768 of them drift by 1-3e-6, so their chunks are shorter.
+_CHUNK_ELEMENTS = 1 << 15
+_LOW_PRECISION_CHUNK_ELEMENTS = 1 << 12
+# Where fp32 (or fp64) accumulation may have lost precision: a square (for L2) or |g| (L1)
+# below the smallest normal number m (fp32: 1.2e-38) loses at most m, so a norm of n
+# elements is exact to 1e-6 if its sum of squares (or L1) is at least n · m / 1e-6. Below
+# that, at Inf (an overflowed sum) and at 0 with a non-zero element, it is redone exactly.
+_SMALLEST_NORMAL = {torch.float64: 2.3e-308}
+_FP32_SMALLEST_NORMAL = 1.2e-38
+
+
+def _cpu_norms(grads: list[Tensor], ord: int) -> Tensor:
+    """fp32-accumulated norms (fp64 for fp64 gradients), long tensors in chunks; one
+    foreach call (L2) or one cascaded sum per tensor (L1: CPU's L1 kernel drifts by 2e-6
+    already at 4,096 elements, its sum does not)."""
+    accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
+    if ord == 1:
+        return torch.stack([g.abs().sum(dtype=accumulate) for g in grads]).double()
+    chunk = _CHUNK_ELEMENTS if accumulate is None else _LOW_PRECISION_CHUNK_ELEMENTS
+    pieces: list[Tensor] = []
+    owner: list[int] = []
+    for i, grad in enumerate(grads):
+        if grad.numel() > chunk:
+            chunks = grad.reshape(-1).split(chunk)
+            pieces.extend(chunks)
+            owner.extend([i] * len(chunks))
+        else:
+            pieces.append(grad)
+            owner.append(i)
+    norms = torch.stack(torch._foreach_norm(pieces, 2, dtype=accumulate)).double()
+    if len(pieces) == len(grads):
+        return norms
+    squares = torch.zeros(len(grads), dtype=torch.float64)
+    return squares.index_add_(0, torch.tensor(owner), norms.square()).sqrt_()
+
+
+def _repair(norms: Tensor, grads: list[Tensor], ord: int) -> None:
+    """Redo exactly, all at once, the CPU norms accumulation may have over- or underflowed."""
+    values = norms.numpy()
+    numel = np.array([g.numel() for g in grads], dtype=np.float64)
+    smallest = _SMALLEST_NORMAL.get(grads[0].dtype, _FP32_SMALLEST_NORMAL)
+    enough = numel * smallest / 1e-6  # the least sum whose flushed terms cannot matter
+    floor = np.sqrt(enough) if ord == 2 else enough
+    with np.errstate(invalid="ignore"):
+        # (0 too: an all-zero gradient, a dead layer, is common; one whose squares all
+        # underflowed is not, but only the exact pass tells them apart)
+        redo = np.flatnonzero(np.isinf(values) | ((values >= 0) & (values < floor)))
+    if len(redo):
+        norms[redo] = exact_norms([grads[i] for i in redo], ord)
+
+
+def exact_norms(grads: list[Tensor], ord: int) -> Tensor:
+    """Norms in fp64, each scaled by its max |g| so that neither overflow nor underflow can
+    occur: one packed pass for all of ``grads``.
+
+    >>> exact_norms([torch.tensor([1e300, -1e300], dtype=torch.float64)], 2)
+    tensor([1.4142e+300], dtype=torch.float64)
+    >>> exact_norms([torch.full((4,), 1e-30), torch.tensor([float("inf"), 1.0])], 1)
+    tensor([4.0000e-30,        inf], dtype=torch.float64)
+    """
+    absolute = _flatten_dense_tensors(grads).to(torch.float64, copy=True).abs_()
+    lengths = torch.tensor([g.numel() for g in grads])
+    if grads[0].dtype != torch.float64:  # their squares cannot leave fp64's normal range
+        scale = torch.ones(len(grads), dtype=torch.float64)
+    else:
+        peak = torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
+        scale = torch.where(torch.isfinite(peak) & (peak > 0), peak, torch.ones_like(peak))
+        absolute.div_(scale.repeat_interleave(lengths))
+    if ord == 1:
+        return torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True) * scale
+    squares = torch.segment_reduce(absolute.square_(), "sum", lengths=lengths, unsafe=True)
+    return squares.sqrt_() * scale
 
 
 def nonfinite_counts(grads: list[Tensor]) -> Tensor:

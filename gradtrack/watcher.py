@@ -6,7 +6,7 @@ Built by `gradtrack.watch`; closing it removes every hook it added and flushes t
 from __future__ import annotations
 
 import atexit
-import threading
+import sys
 import time
 import warnings
 import weakref
@@ -20,14 +20,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gradtrack.alerts import AlertEngine, AlertEvent
-from gradtrack.collect import Collector
+from gradtrack.assemble import Assembler, FirstInWindow, PendingStep, report
+from gradtrack.collect import Collector, Guard
 from gradtrack.config import GradtrackConfig
+from gradtrack.courier import DropCount
 from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_group
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
+from gradtrack.latch import BadStepLatch
 from gradtrack.layers import activation_modules, discover_layers, unwrap_model
 from gradtrack.sinks.base import GradientSink
-from gradtrack.worker import FirstInWindow, Mailbox, PendingStep, Worker
+from gradtrack.worker import Mailbox, Outcome, Worker
 
 AlertCallback = Callable[[AlertEvent], None]
 # Where a step ends: "auto" (see `Watcher`), "manual" (the owner calls `Watcher.end_step`),
@@ -83,26 +86,42 @@ class Watcher:
         elif self.collector.local_shards:  # each rank on its own: statistics of its shards
             local = [p.to_local() for p in self.collector.params]  # type: ignore[attr-defined]
             self.collector.tensor_numel = np.array([t.numel() for t in local], dtype=np.int64)
-        self.mailbox = Mailbox(config.queue_size, config.queue_full)
+        self.drops = DropCount(report)
+        self.mailbox = Mailbox(
+            config.queue_size, config.queue_full, self.drops, config.queue_mib << 20
+        )
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
         self.alert_engine = AlertEngine(config.alerts, self.collector.layer_names, rank)
+        # A rule that may raise is evaluated here, in the training thread, before the
+        # optimizer applies the step; otherwise the worker evaluates every rule.
         self._raise_on_alert = "raise" in config.alerts.actions()
-        self.alert_error: GradientAlertError | None = None
-        self.worker = Worker(
+        self.assembler = Assembler(
             self.collector,
-            sinks,
-            self.mailbox,
             config,
             self.alert_engine,
-            on_alert=on_alert,
-            on_raise=self._remember_alert_error,
-            activation_names=self.activation_names,
-            ranks=self.ranks,
+            self.activation_names,
+            self.ranks,
+            drops=self.drops,
+        )
+        self.worker = Worker(
+            self.assembler, sinks, self.mailbox, config, on_alert=on_alert, drops=self.drops
         )
         self.step = 0
         # The first logged step of each layer_every window writes (and computes) every layer.
         self._per_layer_due = FirstInWindow(config.layer_every)
+        # So does the first non-finite step of each window, logged or not (the guard's find).
+        self._first_bad_due = FirstInWindow(config.layer_every)
+        # The guard reads its verdict at every step only where that costs no wait for the
+        # device (the CPU), or where a raise rule must see every step anyway; under FSDP2
+        # each rank sees only its shards, so unlogged steps would need a collective: there
+        # the verdict comes with the logged steps.
+        self._guard_every_step = self.ranks is None or self.ranks.layout == "replicated"
+        # None: the guard's verdict is read at each step on the CPU, and latched on the
+        # device for the next logged step elsewhere (`gradtrack.latch`); False: latched
+        # everywhere (how tests take the accelerator's path on a CPU).
+        self.guard_reads_host: bool | None = None
+        self._latch: BadStepLatch | None = None
         self.collect_errors = 0
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
@@ -177,8 +196,10 @@ class Watcher:
 
     @property
     def dropped_steps(self) -> int:
-        """Steps dropped because the queue was full (``queue_full="drop_oldest"``)."""
-        return self.mailbox.dropped
+        """Steps lost to a full queue: the worker's (``queue_full="drop_oldest"``) or a
+        sink's (``sink_buffer_steps``). The first loss is warned about; the count is logged
+        as ``gradtrack/dropped``."""
+        return self.drops.total
 
     @property
     def host_transfers(self) -> int:
@@ -235,9 +256,19 @@ class Watcher:
         step, self.step = self.step, self.step + 1
         backward_order = self._finish_order_probe()
         logged, with_samples = self._is_due(step)
-        if not (logged or with_samples):
+        guard = self._guard(step)
+        if guard is None:
             return
-        pending = self._collect(step, with_samples, backward_order, self._per_layer_due(step))
+        verdict = self._verdict(guard)
+        if verdict is None:
+            self._latch_if_bad(guard, step)
+        bad = verdict is False
+        first_bad = bad and self._first_bad_due(step)
+        if not (logged or with_samples or first_bad or (bad and self._raise_on_alert)):
+            return  # the common case: one pass over the gradients, nothing handed off
+        due = logged or with_samples
+        per_layer = (due and self._per_layer_due(step)) or first_bad
+        pending = self._collect(guard, step, with_samples, backward_order, per_layer, due)
         if not self._raise_on_alert:
             if pending is not None:
                 self.mailbox.put_step(pending)
@@ -254,30 +285,57 @@ class Watcher:
         if error is not None:
             raise error
 
+    def _verdict(self, guard: Guard) -> bool | None:
+        """Whether the step's gradients are finite, where that is known now without waiting
+        for a device (or a raise rule pays the wait); None: latch it instead."""
+        if not self._guard_every_step:
+            return True  # (FSDP2: the logged steps' summaries judge)
+        if self._raise_on_alert:
+            return guard.finite(wait=True)
+        return None if self.guard_reads_host is False else guard.finite()
+
+    def _latch_if_bad(self, guard: Guard, step: int) -> None:
+        if self._latch is None:
+            self._latch = BadStepLatch(len(self.collector.params))
+            self.assembler.latch_size = self._latch.size  # before any step carries it
+        self._latch.update(guard, step)
+
+    def _guard(self, step: int) -> Guard | None:
+        """Every step: each gradient's exact L2 norm, in one batched pass on its device."""
+        try:
+            return self.collector.guard()
+        except Exception as exc:  # watching must never crash training
+            self._collect_failed(step, exc)
+            return None
+
     def _collect(
-        self, step: int, with_samples: bool, backward_order: list[int] | None, per_layer: bool
+        self,
+        guard: Guard,
+        step: int,
+        with_samples: bool,
+        backward_order: list[int] | None,
+        per_layer: bool,
+        with_ranks: bool,
     ) -> PendingStep | None:
         """Launch the step's reductions and its copy to the host; None if this rank hands
         nothing to a worker (another rank writes, or collecting failed). Max and mean |g| are
-        computed only on ``per_layer`` steps: they cost two more passes over every gradient."""
+        computed only on ``per_layer`` steps: they cost two more passes over every gradient.
+        ``with_ranks``: the replicated ranks' local norms are gathered (the probe takes them
+        on due steps only; every rank agrees on a bad step, whose gradients are all-reduced)."""
         try:
             ranks_local = None
-            if self._local_probe is not None and self.ranks is not None:
+            if self._local_probe is not None and self.ranks is not None and with_ranks:
                 # The step's one collective: every replicated rank's local norms, to rank 0.
                 local = self._local_probe.take(self.collector.params[0].device)
                 ranks_local = self.ranks.all_gather(local).reshape(-1)
-                if self.ranks.rank != 0:
-                    return None
+            if self.ranks is not None and self.ranks.rank != 0 and self.ranks.layout != "sharded":
+                return None
             evidence, activation_order = self._evidence(ranks_local)
-            parts = self.collector.collect(with_samples, evidence, full=per_layer)
+            if self._latch is not None:
+                evidence.append(self._latch.take(guard.devices[0].device))
+            parts = self.collector.collect(guard, with_samples, evidence, full=per_layer)
         except Exception as exc:  # watching must never crash training
-            self.collect_errors += 1
-            if self.collect_errors == 1:
-                warnings.warn(
-                    f"gradtrack could not collect step {step}: {exc!r}; training goes on",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+            self._collect_failed(step, exc)
             return None
         if not parts or (self.ranks is not None and self.ranks.rank != 0):
             return None  # (sharded: this rank's shard rows went into rank 0's)
@@ -285,20 +343,28 @@ class Watcher:
             step, time.time(), parts, backward_order, activation_order, per_layer=per_layer
         )
 
+    def _collect_failed(self, step: int, exc: Exception) -> None:
+        self.collect_errors += 1
+        if self.collect_errors == 1:
+            warnings.warn(
+                f"gradtrack could not collect step {step}: {exc!r}; training goes on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
     def _evaluate_now(self, pending: PendingStep | None) -> GradientAlertError | None:
-        """A "raise" rule must see the step before the optimizer applies it: wait for the
-        worker to evaluate it."""
+        """A "raise" rule must see the step before the optimizer applies it: the record is
+        made and judged here (one wait for the device's copy), then handed to the worker.
+        Never waits on a sink."""
         if pending is None:
             return None
-        pending.evaluated = threading.Event()
-        self.mailbox.put_step(pending, wait_for_room=True)
-        pending.evaluated.wait(self.config.flush_timeout_s)
-        error, self.alert_error = self.alert_error, None
-        return error
-
-    def _remember_alert_error(self, event: AlertEvent) -> None:
-        if self.alert_error is None:
-            self.alert_error = GradientAlertError(event)
+        assembled = self.assembler.assemble(pending)
+        self.mailbox.put_step(assembled)
+        for event in assembled.events:
+            if self.alert_engine.rule(event.rule, event.layer).action == "raise":
+                if event.severity != "info":
+                    return GradientAlertError(event)
+        return None
 
     def _finish_order_probe(self) -> list[int] | None:
         probe = self._order_probe
@@ -342,8 +408,12 @@ class Watcher:
         """Wait until every step collected so far has reached the sinks and they flushed."""
         return self.worker.request("flush", timeout_s or self.config.flush_timeout_s)
 
-    def close(self) -> None:
-        """Remove every hook, deliver what is queued, flush and close the sinks. Idempotent."""
+    def close(self, outcome: Outcome = "FINISHED") -> None:
+        """Remove every hook, deliver what is queued, flush and close the sinks. Idempotent.
+
+        ``outcome`` says how training ended: a run gradtrack started in MLflow is marked so
+        (FINISHED, FAILED on an exception, KILLED on an interrupt; the context manager and
+        the exit hook tell them apart themselves)."""
         if self.closed:
             return
         self.closed = True
@@ -353,7 +423,7 @@ class Watcher:
             del _WATCHED[model]
         _OPEN.discard(self)
         timeout_s = self.config.flush_timeout_s
-        if not self.worker.request("stop", timeout_s):
+        if not self.worker.request("stop", timeout_s, outcome):
             warnings.warn(
                 f"gradtrack's sinks did not finish within flush_timeout_s={timeout_s}; "
                 "steps still queued may be lost",
@@ -370,7 +440,7 @@ class Watcher:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(outcome_of(exc_type))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"step {self.step}"
@@ -381,8 +451,21 @@ def watcher_of(model: nn.Module) -> Watcher | None:
     return _WATCHED.get(unwrap_model(model))
 
 
+def outcome_of(error: type[BaseException] | None) -> Outcome:
+    """How training ended, from the exception that ended it (None: it did not raise).
+
+    >>> outcome_of(None), outcome_of(KeyboardInterrupt), outcome_of(ValueError)
+    ('FINISHED', 'KILLED', 'FAILED')
+    """
+    if error is None or issubclass(error, SystemExit):
+        return "FINISHED"
+    return "KILLED" if issubclass(error, KeyboardInterrupt) else "FAILED"
+
+
 @atexit.register
 def close_open_watchers() -> None:
-    # A script that never closes its watcher still gets its last steps delivered.
+    # A script that never closes its watcher still gets its last steps delivered; an
+    # exception the interpreter is exiting with is left in sys.last_type.
+    outcome = outcome_of(getattr(sys, "last_type", None))
     for watcher in list(_OPEN):
-        watcher.close()
+        watcher.close(outcome)

@@ -34,8 +34,10 @@ def test_mlflow_runs_on_postgres_with_proxied_s3_artifacts(compose: dict[str, An
     mlflow = compose["services"]["mlflow"]
     command = " ".join(mlflow["command"])
     assert mlflow["environment"]["MLFLOW_BACKEND_STORE_URI"].startswith("postgresql://")
-    assert "--backend-store-uri" in command and "--serve-artifacts" in command
-    assert '--artifacts-destination "s3://${MLFLOW_BUCKET}"' in command
+    # The URI (with the database password) comes from the environment, not the command line.
+    assert "--backend-store-uri" not in command and "--serve-artifacts" in command
+    assert "MLFLOW_BACKEND_STORE_URI" not in command
+    assert '--artifacts-destination "s3://${MLFLOW_BUCKET:?set MLFLOW_BUCKET in .env}"' in command
     assert mlflow["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
     assert mlflow["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert mlflow["depends_on"]["create-bucket"]["condition"] == "service_completed_successfully"
@@ -60,7 +62,11 @@ def test_every_published_port_is_bound_to_loopback(compose: dict[str, Any]) -> N
 def test_no_secret_in_the_file_and_only_the_example_env_is_committed(
     compose: dict[str, Any],
 ) -> None:
-    used = set(re.findall(r"\$\{(\w+)\}", (ROOT / "docker-compose.yml").read_text()))
+    text = (ROOT / "docker-compose.yml").read_text()
+    used = set(re.findall(r"\$\{(\w+)", text))
+    # Every variable is required: compose refuses to start with one unset or empty.
+    assert re.findall(r"\$\{(\w+)(?::\?[^}]*)?\}", text) == re.findall(r"\$\{(\w+)", text)
+    assert all(f"${{{name}:?" in text for name in used)
     example = dict(
         line.split("=", 1)
         for line in (ROOT / ".env.example").read_text().splitlines()
@@ -70,6 +76,6 @@ def test_no_secret_in_the_file_and_only_the_example_env_is_committed(
     for service in compose["services"].values():
         for key, value in service.get("environment", {}).items():
             if re.search("PASSWORD|SECRET|KEY", key):
-                assert re.fullmatch(r"\$\{\w+\}", str(value)), key
+                assert re.fullmatch(r"\$\{\w+:\?[^}]*\}", str(value)), key
     assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
     assert not (ROOT / ".env").exists() or ".env" in (ROOT / ".gitignore").read_text()

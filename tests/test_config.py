@@ -98,6 +98,15 @@ def test_misspelt_environment_variable_is_named() -> None:
         ({"module_types": ["Linaer"]}, r"no module type 'Linaer'.*Linear"),
         ({"module_types": [int]}, r"module_types.0 = <class 'int'> .*subclass of Module"),
         ({"hist_bins": 1}, r"hist_bins = 1 .*greater than or equal to 2"),
+        # Infinite or absurd times would hang close() or kill the worker: refused up front.
+        ({"flush_timeout_s": float("inf")}, r"flush_timeout_s = inf .*finite number"),
+        ({"batch_wait_s": float("inf")}, r"batch_wait_s = inf .*finite number"),
+        ({"batch_wait_s": 120}, r"batch_wait_s = 120 .*less than or equal to 60"),
+        ({"flush_timeout_s": 1e9}, r"flush_timeout_s = 1000000000.0 .*less than or equal to 3600"),
+        ({"mlflow": {"request_timeout_s": float("nan")}}, r"request_timeout_s = nan .*finite"),
+        ({"mlflow": {"retry_max_s": 1e6}}, r"mlflow.retry_max_s .*less than or equal to 3600"),
+        ({"seed": 2**70}, r"seed = 1180591620717411303424 .*less than 9223372036854775808"),
+        ({"seed": -1}, r"seed = -1 .*greater than or equal to 0"),
     ],
 )
 def test_invalid_values_name_field_value_and_what_is_allowed(
@@ -155,3 +164,23 @@ def test_layer_metrics_choose_the_per_layer_keys_and_name_the_allowed_values() -
 
     with pytest.raises(GradtrackConfigError, match="'norm', 'max_abs', 'mean_abs' or 'rms'"):
         gradtrack.watch(model, "memory", layer_metrics="median")
+
+
+def test_a_worker_that_dies_mocked_says_why_and_training_and_close_go_on() -> None:
+    """Mocked: no real input kills the worker thread any more, so its mailbox is broken."""
+    model = nn.Linear(3, 1)
+    watcher = gradtrack.watch(model, backend=MemorySink(), log_every=1, queue_full="block")
+
+    def broken_take(*_: object) -> None:
+        raise SystemError("worker bug")
+
+    # The thread waits inside the real take(); once a step wakes it, its next call breaks.
+    watcher.mailbox.take = broken_take  # type: ignore[method-assign]
+    with pytest.warns(RuntimeWarning, match="worker thread stopped: SystemError"):
+        model(torch.randn(2, 3)).sum().backward()
+        watcher.worker._thread.join(30)
+    assert not watcher.worker._thread.is_alive()
+    for _ in range(100):  # queue_full="block" would wait forever for a worker that is gone
+        model(torch.randn(2, 3)).sum().backward()
+    watcher.close()  # returns
+    assert watcher.dropped_steps >= 100

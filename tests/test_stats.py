@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -31,7 +32,8 @@ def one_step(
     """Backward once, optionally tamper with the gradients, then one optimizer step.
 
     ``per_layer=False``: the step measured is the second, which computes no max/mean |g|
-    (``layer_every`` is 100), after an untouched first one."""
+    (``layer_every`` is 100), after a first one tampered with the same way (the first
+    non-finite step of a window is summarised in full)."""
     sink = MemorySink()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     with gradtrack.watch(
@@ -39,8 +41,12 @@ def one_step(
     ) as watcher:
         watcher.collector.foreach_only = foreach_only
         if not per_layer:
+            weights = copy.deepcopy(model.state_dict())
             loss_fn(model).backward()
+            if before_step is not None:
+                before_step(model)
             optimizer.step()
+            model.load_state_dict(weights)  # lr 0 still applies NaN * 0
             optimizer.zero_grad()
         loss_fn(model).backward()
         if before_step is not None:

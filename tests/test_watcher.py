@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.record import StepRecord
+from gradtrack.record import StepRecord, scalar_metrics
 from gradtrack.sinks import MemorySink
 from tests.conftest import SmallCNN, assert_record_matches, cnn_batch, reference_stats
 
@@ -192,19 +192,58 @@ class SlowSink(MemorySink):
         super().write(batch)
 
 
-def test_full_queue_drops_the_oldest_steps_and_counts_them() -> None:
+def test_a_slow_sink_holds_up_only_its_own_delivery_thread() -> None:
+    """A tracker 50 ms per write, a loop as fast as it runs: nothing lost at the defaults,
+    and the training thread and the worker never wait on it."""
     model = nn.Linear(8, 1)
-    slow = SlowSink(delay_s=0.05)
+    slow, quick = SlowSink(delay_s=0.05), MemorySink()
     with gradtrack.watch(
-        model, backend=slow, log_every=1, queue_size=2, max_batch_steps=1, hist_every=None
+        model, backend=[slow, quick], log_every=1, max_batch_steps=1, hist_every=None
     ) as watcher:
+        start = time.perf_counter()
         for _ in range(40):
             model(torch.randn(2, 8)).sum().backward()
+        watcher.flush()
+        quick_done = len(quick.records)
+        trained_s = time.perf_counter() - start
+    assert watcher.dropped_steps == 0
+    assert [r.step for r in slow.records] == list(range(40))
+    assert quick_done == 40
+    assert slow.thread_names == {"gradtrack-SlowSink"}  # its courier, not the worker
+    assert trained_s < 40 * 0.05 + 30  # (a bound only against hanging, not a timing test)
+
+
+def test_a_sink_past_its_buffer_drops_the_oldest_counts_and_warns_once() -> None:
+    model = nn.Linear(8, 1)
+    slow = SlowSink(delay_s=0.05)
+    with pytest.warns(RuntimeWarning, match="SlowSink is 2 steps behind") as caught:
+        with gradtrack.watch(
+            model, backend=slow, log_every=1, sink_buffer_steps=2, max_batch_steps=1,
+            hist_every=None,
+        ) as watcher:  # fmt: skip
+            for _ in range(40):
+                model(torch.randn(2, 8)).sum().backward()
+    assert sum("dropped" in str(w.message) for w in caught) == 1
     steps = [r.step for r in slow.records]
     assert watcher.dropped_steps > 0
     assert len(steps) + watcher.dropped_steps == 40
     assert steps == sorted(steps) and steps[-1] == 39  # the newest survive, in order
-    assert slow.thread_names == {"gradtrack-worker"}
+    # The count travels with the records: gradtrack/dropped, once non-zero.
+    assert slow.records[-1].dropped_steps > 0
+    assert "gradtrack/dropped" in scalar_metrics(slow.records[-1])
+
+
+def test_a_worker_behind_the_loop_drops_counts_and_warns() -> None:
+    model = nn.Linear(8, 1)
+    sink = MemorySink()
+    with pytest.warns(RuntimeWarning, match="worker is 1 steps behind"):
+        with gradtrack.watch(
+            model, backend=sink, log_every=1, queue_size=1, hist_every=None, batch_wait_s=0.2
+        ) as watcher:
+            for _ in range(200):
+                model(torch.randn(2, 8)).sum().backward()
+    assert watcher.dropped_steps > 0
+    assert len(sink.records) + watcher.dropped_steps == 200
 
 
 def test_full_queue_can_block_instead_and_then_loses_nothing() -> None:

@@ -6,7 +6,6 @@ NaN, Inf and exact zero count as the strongest differences; they are never avera
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,16 +50,14 @@ def rank_layers(runs: list[RunData], rtol: float = DEFAULT_RTOL) -> list[LayerDi
     layers = [layer for layer in runs[0].layers if all(layer in run.layers for run in runs)]
     steps = np.array(common_layer_steps(runs), dtype=np.int64)
     norms = np.stack([_norms(run, layers, steps) for run in runs])  # [runs, steps, layers]
-    # A layer with no finite norm has an empty mean: NaN, which is the answer, not a warning.
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with np.errstate(all="ignore"):
         logs = np.log10(np.abs(norms))
-        logs[~np.isfinite(logs)] = np.nan
-        means = np.nanmean(logs, axis=1)  # [runs, layers]
-        if len(runs) > 1:
-            spread = np.nanmean(np.nanmax(logs, axis=0) - np.nanmin(logs, axis=0), axis=0)
-        else:
-            spread = np.nanmax(means[0]) - means[0]
+    logs[~np.isfinite(logs)] = np.nan
+    means = _nanmean(logs, axis=1)  # [runs, layers]
+    if len(runs) > 1:
+        spread = _nanmean(np.fmax.reduce(logs, axis=0) - np.fmin.reduce(logs, axis=0), axis=0)
+    else:
+        spread = np.fmax.reduce(means[0]) - means[0] if means.size else means[0]
     if len(runs) > 1:
         reference = norms[0]
         differ = np.stack([parts(reference, other, rtol) for other in norms[1:]])
@@ -84,6 +81,17 @@ def rank_layers(runs: list[RunData], rtol: float = DEFAULT_RTOL) -> list[LayerDi
             )
         )
     return sorted(ranked, key=lambda d: d.rank_key)
+
+
+def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
+    """Mean of the non-NaN values; NaN where there are none. Unlike ``np.nanmean`` it warns
+    of nothing, and so needs no warnings filter (not thread-safe: sinks draw on their own
+    threads)."""
+    present = ~np.isnan(values)
+    count = present.sum(axis=axis)
+    total = np.where(present, values, 0.0).sum(axis=axis)
+    with np.errstate(all="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
 def _norms(run: RunData, layers: list[str], steps: np.ndarray) -> np.ndarray:

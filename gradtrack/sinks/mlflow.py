@@ -24,12 +24,14 @@ from typing import Any
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.histogram_store import HistogramEntry, read_chunks, write_chunk
-from gradtrack.record import StepRecord, scalar_metrics
+from gradtrack.record import StepRecord, metric_key, safe_key, scalar_metrics
+from gradtrack.redact import redact
 from gradtrack.sinks.base import require_module
 from gradtrack.sinks.mlflow_tracking import (
     MAX_ITEMS_PER_BATCH,
     MAX_METRICS_PER_BATCH,
     MAX_TAGS_PER_BATCH,
+    AuthError,
     PermanentError,
     Tracking,
     connect,
@@ -41,6 +43,30 @@ ALERTS_FILE = "alerts.jsonl"
 LAYERS_FILE = "gradtrack/layers.json"  # layer names in depth order, for readers
 PICTURES_DIR = "gradtrack/pictures"  # PNGs and report.html the MLflow UI shows
 DROPPED_KEY = "gradtrack/dropped"
+# With ``model_name`` (several models in one run), every artifact and tag is the model's
+# own: gradtrack/<model>/histograms, gradtrack/<model>/alerts.jsonl, gradtrack.<model>.*.
+
+
+def artifact_path(path: str, model_name: str | None = None) -> str:
+    """An artifact path of gradtrack's, within the model's own folder when it has a name.
+
+    >>> artifact_path(HISTOGRAM_DIR), artifact_path(HISTOGRAM_DIR, "critic")
+    ('gradtrack/histograms', 'gradtrack/critic/histograms')
+    """
+    if not model_name:
+        return path
+    return f"gradtrack/{safe_key(model_name)}" + path.removeprefix("gradtrack")
+
+
+def tag_key(name: str, model_name: str | None = None) -> str:
+    """``gradtrack.<name>``, or ``gradtrack.<model>.<name>``.
+
+    >>> tag_key("alert.count", "critic")
+    'gradtrack.critic.alert.count'
+    """
+    return f"gradtrack.{safe_key(model_name)}.{name}" if model_name else f"gradtrack.{name}"
+
+
 _MAX_TAG_CHARS = 5000
 # An alert goes out at once unless something was sent less than this long ago; then it
 # waits for the next write after that (a burst of alerts — several rules tripping at one
@@ -74,6 +100,9 @@ class MlflowSink:
                 self.run_id = active.info.run_id
                 self.tracking_uri = self.tracking_uri or mlflow.get_tracking_uri()
         self.owns_run = False
+        # How the run ends, when gradtrack started it: FINISHED, or FAILED / KILLED when
+        # training raised or was interrupted (set by the watcher before close()).
+        self.outcome = "FINISHED"
         self.dropped = 0
         self.failures = 0
         self._tracking: Tracking | None = None
@@ -83,6 +112,7 @@ class MlflowSink:
         self._histograms: list[HistogramEntry] = []
         self._histogram_steps: set[int] = set()
         self._staging = Path(tempfile.mkdtemp(prefix="gradtrack-mlflow-"))
+        self._model = self.config.model_name
         self._alerts_path = self._staging / ALERTS_FILE
         self._alert_count = 0
         self._first_nonfinite_logged = False
@@ -113,23 +143,24 @@ class MlflowSink:
         self._alert_count += 1
         with self._alerts_path.open("a") as alerts:
             alerts.write(event.model_dump_json() + "\n")
+        model = self._model
         tags = [
-            ("gradtrack.alert.count", str(self._alert_count)),
-            ("gradtrack.alert.last", f"step {event.step}: {event.message}"[:_MAX_TAG_CHARS]),
+            (tag_key("alert.count", model), str(self._alert_count)),
+            (tag_key("alert.last", model), f"step {event.step}: {event.message}"[:_MAX_TAG_CHARS]),
         ]
         if event.rule == "nonfinite" and not self._first_nonfinite_logged:
             self._first_nonfinite_logged = True
             tags += [
-                ("gradtrack.first_nonfinite_step", str(event.step)),
-                ("gradtrack.first_nonfinite_layer", event.origin_layer or ""),
-                ("gradtrack.first_nonfinite_stage", event.origin_stage or ""),
+                (tag_key("first_nonfinite_step", model), str(event.step)),
+                (tag_key("first_nonfinite_layer", model), event.origin_layer or ""),
+                (tag_key("first_nonfinite_stage", model), event.origin_stage or ""),
             ]
         last = self._pending[-1] if self._pending else None
         if last is not None and not last.metrics and last.sent == 0:
             last.tags = list({**dict(last.tags), **dict(tags)}.items())  # a burst: one request
         else:
             self._pending.append(_Step([], tags))
-        self._queue_upload(self._alerts_path, ALERTS_DIR)
+        self._queue_upload(self._alerts_path, artifact_path(ALERTS_DIR, model))
         self._alert_waiting = True
         if self._send_due():
             self._pump(until=None)
@@ -151,7 +182,7 @@ class MlflowSink:
             self._pump(until=deadline)
         if self.owns_run and self.run_id is not None and not self._pending:
             try:
-                self._connection().end_run(self.run_id)
+                self._connection().end_run(self.run_id, self.outcome)
             except Exception as exc:
                 _warn(f"gradtrack could not end MLflow run {self.run_id}: {exc!r}")
         if self._pending or self._uploads:
@@ -162,6 +193,8 @@ class MlflowSink:
             )
         else:
             shutil.rmtree(self._staging, ignore_errors=True)
+        if self._tracking is not None:
+            self._tracking.close()  # e.g. the embedded store's database connections
 
     # -- buffering -------------------------------------------------------------------------
     def _buffer(self, record: StepRecord) -> None:
@@ -170,11 +203,10 @@ class MlflowSink:
             self._layers.update(dict.fromkeys(new))
             path = self._staging / Path(LAYERS_FILE).name
             path.write_text(json.dumps(list(self._layers)))
-            self._queue_upload(path, Path(LAYERS_FILE).parent.as_posix())
+            self._queue_upload(
+                path, Path(artifact_path(LAYERS_FILE, self._model)).parent.as_posix()
+            )
         timestamp = int(record.wall_time * 1000)
-        metrics = [
-            (key, value, timestamp, record.step) for key, value in scalar_metrics(record).items()
-        ]
         tags = self._extreme_tags(record)
         while len(self._pending) >= self.options.max_buffered_steps:
             self._pending.popleft()
@@ -184,9 +216,14 @@ class MlflowSink:
                     f"gradtrack's MLflow buffer is full ({self.options.max_buffered_steps} steps):"
                     " dropping the oldest; the count is logged as gradtrack/dropped"
                 )
-        if self.dropped != self._reported_dropped:
-            self._reported_dropped = self.dropped
-            metrics.append((DROPPED_KEY, float(self.dropped), timestamp, record.step))
+        values = scalar_metrics(record)
+        dropped_key = metric_key("gradtrack", "dropped", self._model)
+        values.pop(dropped_key, None)  # one count: those lost upstream and in this buffer
+        dropped = record.dropped_steps + self.dropped
+        if dropped != self._reported_dropped:
+            self._reported_dropped = dropped
+            values[dropped_key] = float(dropped)
+        metrics = [(key, value, timestamp, record.step) for key, value in values.items()]
         self._pending.append(_Step(metrics, tags))
         for layer, histogram in record.histograms.items():
             self._histograms.append((record.step, layer, histogram))
@@ -200,20 +237,24 @@ class MlflowSink:
         if names is None or names == self._extreme_names:
             return []
         self._extreme_names = names
-        return [("gradtrack.weakest_layer", names[0]), ("gradtrack.strongest_layer", names[1])]
+        model = self._model
+        return [
+            (tag_key("weakest_layer", model), names[0]),
+            (tag_key("strongest_layer", model), names[1]),
+        ]
 
     def _write_histogram_chunk(self) -> None:
         if not self._histograms:
             return
         path = write_chunk(self._staging, self._histograms)
         self._histograms, self._histogram_steps = [], set()
-        self._queue_upload(path, HISTOGRAM_DIR)
+        self._queue_upload(path, artifact_path(HISTOGRAM_DIR, self._model))
 
     def _draw_pictures(self) -> None:
         name = self.options.run_name or self.run_id or "gradtrack run"
         source = f"MLflow run {self.run_id} ({self.tracking_uri})"
         for path in self._pictures.draw(self._staging / "pictures", name, source):
-            self._queue_upload(path, PICTURES_DIR)
+            self._queue_upload(path, artifact_path(PICTURES_DIR, self._model))
 
     def _queue_upload(self, path: Path, artifact_dir: str) -> None:
         if (path, artifact_dir) not in self._uploads:
@@ -246,7 +287,7 @@ class MlflowSink:
                 try:
                     self._send_next()
                 except PermanentError as exc:
-                    _warn(f"MLflow refused part of gradtrack's data, which is dropped: {exc}")
+                    _warn(f"MLflow refused {self._head()} from gradtrack, dropped: {exc}")
                     self._drop_head()
                 except Exception as exc:  # unreachable, timed out, 5xx: keep it and retry
                     self._fail(exc)
@@ -296,6 +337,13 @@ class MlflowSink:
                 break
         return metrics, tags, plan
 
+    def _head(self) -> str:
+        """What `_drop_head` drops, in words."""
+        if self._pending:
+            metrics = self._pending[0].metrics
+            return f"the metrics of step {metrics[0][3]}" if metrics else "a batch of alert tags"
+        return f"the file {self._uploads[0][0].name}" if self._uploads else "nothing"
+
     def _drop_head(self) -> None:
         if self._pending:
             self._pending.popleft()
@@ -323,10 +371,18 @@ class MlflowSink:
         self._retry_at = time.monotonic() + self._backoff_s
         if not self._outage_reported:
             self._outage_reported = True
-            _warn(
-                f"gradtrack cannot reach MLflow at {self.tracking_uri} ({error!r}); steps are "
-                f"buffered (up to {self.options.max_buffered_steps}) and retried with backoff"
+            kept = (
+                f"steps are buffered (up to {self.options.max_buffered_steps}) and retried "
+                "with backoff"
             )
+            if isinstance(error, AuthError):
+                _warn(
+                    f"MLflow at {self.tracking_uri} refused gradtrack's credentials ({error}): "
+                    "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                    f"MLFLOW_TRACKING_TOKEN) for the process that trains; {kept}"
+                )
+            else:
+                _warn(f"gradtrack cannot reach MLflow at {self.tracking_uri} ({error!r}); {kept}")
 
     def _recovered(self) -> None:
         self._backoff_s = 0.0
@@ -335,7 +391,7 @@ class MlflowSink:
 
 
 def read_histograms(
-    run_id: str, tracking_uri: str | None = None
+    run_id: str, tracking_uri: str | None = None, model_name: str | None = None
 ) -> dict[str, list[tuple[int, Any]]]:
     """Load the histograms gradtrack stored in an MLflow run: ``{layer: [(step, Histogram)]}``.
 
@@ -347,29 +403,34 @@ def read_histograms(
     from mlflow.artifacts import download_artifacts
 
     client = MlflowClient(tracking_uri)
-    if not any(f.path == HISTOGRAM_DIR for f in client.list_artifacts(run_id, "gradtrack")):
+    folder = artifact_path(HISTOGRAM_DIR, model_name)
+    parent = folder.rpartition("/")[0]
+    if not any(f.path == folder for f in client.list_artifacts(run_id, parent)):
         return {}
     with tempfile.TemporaryDirectory() as directory:
         local = download_artifacts(
-            run_id=run_id, artifact_path=HISTOGRAM_DIR, dst_path=directory,
+            run_id=run_id, artifact_path=folder, dst_path=directory,
             tracking_uri=tracking_uri,
         )  # fmt: skip
         return read_chunks(Path(local).glob("hist-*.npz"))
 
 
-def read_alerts(run_id: str, tracking_uri: str | None = None) -> list[AlertEvent]:
+def read_alerts(
+    run_id: str, tracking_uri: str | None = None, model_name: str | None = None
+) -> list[AlertEvent]:
     """The alert events gradtrack stored in an MLflow run's ``gradtrack/alerts.jsonl``."""
     require_module("mlflow", "mlflow")
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
     client = MlflowClient(tracking_uri)
-    names = {f.path for f in client.list_artifacts(run_id, ALERTS_DIR)}
-    if f"{ALERTS_DIR}/{ALERTS_FILE}" not in names:
+    folder = artifact_path(ALERTS_DIR, model_name)
+    names = {f.path for f in client.list_artifacts(run_id, folder)}
+    if f"{folder}/{ALERTS_FILE}" not in names:
         return []
     with tempfile.TemporaryDirectory() as directory:
         local = download_artifacts(
-            run_id=run_id, artifact_path=f"{ALERTS_DIR}/{ALERTS_FILE}", dst_path=directory,
+            run_id=run_id, artifact_path=f"{folder}/{ALERTS_FILE}", dst_path=directory,
             tracking_uri=tracking_uri,
         )  # fmt: skip
         lines = Path(local).read_text().splitlines()
@@ -379,6 +440,6 @@ def read_alerts(run_id: str, tracking_uri: str | None = None) -> list[AlertEvent
 def _warn(message: str) -> None:
     # Called on the worker thread: a warning turned into an error must not stop the sink.
     try:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(redact(message), RuntimeWarning, stacklevel=3)
     except Exception:
         pass

@@ -23,6 +23,11 @@ class PermanentError(Exception):
     """MLflow refused a request for what it holds; resending it would fail again."""
 
 
+class AuthError(Exception):
+    """The server refused gradtrack's credentials (HTTP 401/403): nothing was stored, and
+    everything can go once the credentials are right, so it is kept and retried."""
+
+
 class Tracking(Protocol):
     def experiment_id(self, name: str) -> str: ...
 
@@ -40,7 +45,11 @@ class Tracking(Protocol):
         self, run_id: str, artifact_uri: str, local: Path, artifact_dir: str
     ) -> None: ...
 
-    def end_run(self, run_id: str) -> None: ...
+    def end_run(self, run_id: str, status: str) -> None:
+        """Mark the run FINISHED, FAILED or KILLED."""
+
+    def close(self) -> None:
+        """Release connections and files."""
 
 
 def connect(tracking_uri: str, timeout_s: float) -> Tracking:
@@ -91,8 +100,15 @@ class ClientTracking:
     def log_artifact(self, run_id: str, artifact_uri: str, local: Path, artifact_dir: str) -> None:
         self.client.log_artifact(run_id, str(local), artifact_dir)
 
-    def end_run(self, run_id: str) -> None:
-        self.client.set_terminated(run_id)
+    def end_run(self, run_id: str, status: str) -> None:
+        self.client.set_terminated(run_id, status)
+
+    def close(self) -> None:
+        # The embedded SQL store keeps a pool of connections (open files) to its database.
+        store = getattr(getattr(self.client, "_tracking_client", None), "store", None)
+        engine = getattr(store, "engine", None)
+        if engine is not None:
+            engine.dispose()
 
 
 class RestTracking:
@@ -116,6 +132,8 @@ class RestTracking:
         try:
             verify_rest_response(response, endpoint)
         except MlflowException as exc:
+            if response.status_code in (401, 403):
+                raise AuthError(f"HTTP {response.status_code}") from exc
             if 400 <= response.status_code < 500 and response.status_code != 429:
                 raise PermanentError(str(exc)) from exc
             raise
@@ -172,11 +190,14 @@ class RestTracking:
                 data=data,
             )  # fmt: skip
 
-    def end_run(self, run_id: str) -> None:
+    def end_run(self, run_id: str, status: str) -> None:
         self._call(
             "/api/2.0/mlflow/runs/update",
-            json={"run_id": run_id, "status": "FINISHED", "end_time": _now_ms()},
+            json={"run_id": run_id, "status": status, "end_time": _now_ms()},
         )
+
+    def close(self) -> None:
+        return None  # one request per call: nothing stays open
 
 
 def _now_ms() -> int:

@@ -119,15 +119,16 @@ class WandbSink:
 
     def _log_pictures(self, run: Run) -> None:
         """The pictures as images in the run summary (a history row of their own would
-        shift the user's step count), ``grad_pictures/<name>``."""
+        shift the user's step count), ``grad_pictures/[<model_name>/]<name>``."""
         import tempfile
 
         import wandb
 
         with tempfile.TemporaryDirectory(prefix="gradtrack-pictures-") as directory:
             paths = self._pictures.draw(Path(directory), run.name or run.id, f"W&B run {run.id}")
+            model = self.config.model_name
             images = {
-                f"{PICTURES_FAMILY}/{path.stem}": wandb.Image(str(path))
+                metric_key(PICTURES_FAMILY, path.stem, model): wandb.Image(str(path))
                 for path in paths
                 if path.suffix == ".png"
             }

@@ -60,6 +60,19 @@ class MlflowServer:
         self.stop()
         raise RuntimeError(f"mlflow server not healthy after {timeout_s}s")
 
+    def freeze(self, seconds: float) -> None:
+        """Stop the server's processes (SIGSTOP) for ``seconds``, then let them go on."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.killpg(self.process.pid, signal.SIGCONT)
+
+    def restart(self, after_s: float) -> None:
+        """Kill the server, and start it again on the same store after ``after_s``."""
+        self.stop()
+        time.sleep(after_s)
+        self.start()
+
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return

@@ -144,8 +144,9 @@ def test_per_layer_series_every_layer_every_steps_and_nonfinite_steps_in_full(
     assert [s for s, _ in got["grad/total_norm"]] == [0, 2, 4, 6, 8, 10]
     # First logged step of each 5-step window (0, 6, 10), and step 8, whose gradient was NaN.
     assert [s for s, _ in got["grad_norm/0"]] == [0, 6, 8, 10]
-    # Max and mean |g| are computed on the window's steps only (two more passes over memory).
-    assert [s for s, _ in got["grad_max/7"]] == [0, 6, 10]
+    # Max and mean |g| are computed on those steps only (two more passes over memory); the
+    # guard saw step 8 was non-finite before summarising it, so it has them too.
+    assert [s for s, _ in got["grad_max/7"]] == [0, 6, 8, 10]
 
 
 def test_steps_go_out_every_send_every_s_alerts_within_a_second_and_at_flush(

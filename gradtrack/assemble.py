@@ -1,0 +1,268 @@
+"""Turns a collected step into its `StepRecord` and runs the alert rules on it.
+
+Pure apart from the rules' own state: the worker calls it, or, when a rule may raise, the
+training thread, before the optimizer applies the step. One of the two, never both.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import numpy as np
+
+from gradtrack.alerts import AlertEngine, AlertEvent
+from gradtrack.collect import Collector
+from gradtrack.config import GradtrackConfig
+from gradtrack.courier import DropCount
+from gradtrack.distributed import RankGroup, rank_layer_norms
+from gradtrack.histogram import Histogram, bin_samples
+from gradtrack.latch import latched_step
+from gradtrack.record import StepRecord, summarise_layers
+from gradtrack.stats import L1, L2, LINF, TENSOR_COLUMNS, HostPart
+
+logger = logging.getLogger("gradtrack")
+T = TypeVar("T")
+_NONE: dict[str, Any] = {}  # a part that failed adds no field
+
+
+@dataclass
+class PendingStep:
+    """A step as the training thread left it: device work launched, copies in flight."""
+
+    step: int
+    wall_time: float
+    parts: list[HostPart]
+    backward_order: list[int] | None = None  # layer indices, once learnt
+    activation_order: list[int] | None = None  # activation modules, as their grads arrived
+    # Sinks write its per-layer metrics (``layer_every``), and max/mean |g| were computed.
+    per_layer: bool = True
+
+
+@dataclass
+class AssembledStep:
+    """A step's records and alerts: one record, led by the latched bad step before it when
+    an accelerator's guard latched one (see `gradtrack.latch`)."""
+
+    records: list[StepRecord]
+    events: list[AlertEvent]
+
+
+class FirstInWindow:
+    """True for the first step it is asked about in each window of ``every`` steps.
+
+    >>> first = FirstInWindow(10)
+    >>> [step for step in (0, 3, 12, 15, 27) if first(step)]
+    [0, 12, 27]
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._last_window = -1
+
+    def __call__(self, step: int) -> bool:
+        window = step // self.every
+        if window == self._last_window:
+            return False
+        self._last_window = window
+        return True
+
+
+class Assembler:
+    """Builds records from host copies and evaluates the rules; every failing part is
+    reported once and leaves the rest of the record, and the rules, to run."""
+
+    def __init__(
+        self,
+        collector: Collector,
+        config: GradtrackConfig,
+        alert_engine: AlertEngine,
+        activation_names: Sequence[str] = (),
+        ranks: RankGroup | None = None,
+        latch_size: int = 0,
+        drops: DropCount | None = None,
+    ) -> None:
+        self.alert_engine = alert_engine
+        self.drops = drops
+        self.latch_size = latch_size  # trailing step flags: a `BadStepLatch` read
+        self.part_errors: dict[str, int] = {}
+        self._collector = collector
+        self._hist_bins = config.hist_bins
+        self._hist_scale = config.hist_scale
+        self._activation_names = tuple(activation_names)
+        self._model_name = config.model_name
+        self._layer_metrics = tuple(config.layer_metrics)
+        self._first_bad_in_window = FirstInWindow(config.layer_every)
+        self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
+        self._gather_ranks = config.distributed.gather_ranks
+        self._layer_position = {name: i for i, name in enumerate(collector.layer_names)}
+
+    def assemble(self, pending: PendingStep) -> AssembledStep:
+        if pending.backward_order is not None:
+            names = self._collector.layer_names
+            self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
+        for part in pending.parts:
+            part.wait()
+        records = [self._latched_record(pending), self.build_record(pending)]
+        events: list[AlertEvent] = []
+        for i, record in enumerate(records):
+            if record is not None:
+                found = self._evaluate(record)
+                if found or record.nan_count or record.inf_count or not record.counted:
+                    records[i] = self._first_bad_in_full(record)
+                events += found
+        return AssembledStep([r for r in records if r is not None], events)
+
+    def _evaluate(self, record: StepRecord) -> list[AlertEvent]:
+        no_events: list[AlertEvent] = []
+        return self._part("alert rules", lambda: self.alert_engine.evaluate(record), no_events)
+
+    def _latched_record(self, pending: PendingStep) -> StepRecord | None:
+        """The first non-finite step an accelerator's guard latched since the last logged
+        step, as a record of its layer norms (its elements were not counted)."""
+        if not self.latch_size:
+            return None
+        latched = latched_step(pending.parts[0].flags()[-self.latch_size :])
+        if latched is None or latched[0] == pending.step:
+            return None  # (a logged step that was bad itself is summarised in full)
+        step, norms = latched
+        present = np.flatnonzero(norms != -1.0)
+        collector = self._collector
+        rows = np.zeros((len(present), TENSOR_COLUMNS))
+        rows[:, L2] = norms[present]
+        rows[:, L1] = rows[:, LINF] = np.nan
+        layers, stats, total_norm = summarise_layers(
+            collector.layer_names,
+            collector.tensor_layer[present],
+            collector.tensor_numel[present],
+            rows,
+        )
+        return StepRecord(
+            step=step, wall_time=pending.wall_time, layers=layers, stats=stats,
+            total_norm=total_norm, model_name=self._model_name,
+            layer_metrics=self._layer_metrics, abs_stats=False, counted=False,
+        )  # fmt: skip
+
+    def _first_bad_in_full(self, record: StepRecord) -> StepRecord:
+        """The first step in each ``layer_every`` window that was non-finite or raised an
+        alert is written with its per-layer metrics (the step to look at). Only the first:
+        a model tripping a rule at every step would otherwise write every layer every step."""
+        if not self._first_bad_in_window(record.step) or record.per_layer:
+            return record
+        return replace(record, per_layer=True)
+
+    def build_record(self, pending: PendingStep) -> StepRecord:
+        flags = pending.parts[0].flags()
+        flags = flags[: len(flags) - self.latch_size]
+        collector = self._collector
+        index = np.concatenate([part.tensor_index for part in pending.parts])
+        layers, stats, total_norm = summarise_layers(
+            collector.layer_names,
+            collector.tensor_layer[index],
+            collector.tensor_numel[index],
+            np.concatenate([part.stats() for part in pending.parts]),
+        )
+        n_activations = len(self._activation_names)
+        activation_flags = flags[5 : 5 + n_activations]
+        return StepRecord(
+            step=pending.step,
+            wall_time=pending.wall_time,
+            layers=layers,
+            stats=stats,
+            total_norm=total_norm,
+            histograms=self._part("histograms", lambda: self._histograms(pending.parts), {}),
+            model_name=self._model_name,
+            layer_metrics=self._layer_metrics,
+            per_layer=pending.per_layer,
+            abs_stats=pending.per_layer,
+            dropped_steps=0 if self.drops is None else self.drops.total,
+            **self._part("step evidence", lambda: _evidence(flags[:5]), _NONE),
+            **self._part(
+                "activation gradients",
+                lambda: self._activations(activation_flags, pending.activation_order or []),
+                _NONE,
+            ),
+            **self._part(
+                "rank norms", lambda: self._ranks(flags[5 + n_activations :], layers), _NONE
+            ),
+        )
+
+    def _part(self, name: str, build: Callable[[], T], fallback: T) -> T:
+        """One optional part of a step; a failure is reported once and costs only it."""
+        try:
+            return build()
+        except Exception as exc:  # a bug in one part must not take the step's rules with it
+            self.part_errors[name] = self.part_errors.get(name, 0) + 1
+            if self.part_errors[name] == 1:
+                report(f"gradtrack could not build the {name} of a step: {exc!r}; the rest goes on")
+            return fallback
+
+    def _ranks(self, local_norms: np.ndarray, layers: tuple[str, ...]) -> dict[str, Any]:
+        """Replicated ranks' local (pre-all-reduce) gradients: who went non-finite, and with
+        ``gather_ranks`` each rank's layer norms."""
+        if not self._world_size or len(local_norms) == 0:
+            return {}
+        collector = self._collector
+        per_tensor = local_norms.reshape(self._world_size, -1)
+        bad = ~np.isfinite(per_tensor).all(axis=1)
+        fields: dict[str, Any] = {"nonfinite_ranks": tuple(np.flatnonzero(bad).tolist())}
+        if self._gather_ranks:
+            per_layer = rank_layer_norms(
+                per_tensor, collector.tensor_layer, len(collector.layer_names)
+            )
+            position = self._layer_position
+            fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
+        return fields
+
+    def _activations(self, norms: np.ndarray, order: list[int]) -> dict[str, Any]:
+        if not self._activation_names or len(norms) == 0:
+            return {}
+        names = self._activation_names
+        arrived = set(order)
+        observed = {names[i]: float(v) for i, v in enumerate(norms) if i in arrived}
+        first_bad = next((names[i] for i in order if not np.isfinite(norms[i])), None)
+        return {"activation_grad_norms": observed, "activation_origin": first_bad}
+
+    def _histograms(self, parts: Sequence[HostPart]) -> dict[str, Histogram]:
+        per_layer: dict[int, list[np.ndarray]] = {}
+        for part in parts:
+            if part.sample_counts is None:
+                continue
+            layer_of = self._collector.tensor_layer[part.tensor_index]
+            pieces = np.split(part.samples(), np.cumsum(part.sample_counts)[:-1])
+            for layer, piece in zip(layer_of.tolist(), pieces):
+                per_layer.setdefault(layer, []).append(piece)
+        histograms = {}
+        for layer, pieces in sorted(per_layer.items()):
+            histogram = bin_samples(np.concatenate(pieces), self._hist_bins, self._hist_scale)
+            if histogram is not None:
+                histograms[self._collector.layer_names[layer]] = histogram
+        return histograms
+
+
+def _evidence(flags: np.ndarray) -> dict[str, Any]:
+    """StepRecord fields from the step flags (see `Watcher._evidence`)."""
+    if len(flags) == 0:
+        return {}
+    output, output_grad, found_inf, scale, scale_after = (
+        None if np.isnan(v) else float(v) for v in flags
+    )
+    return {
+        "output_finite": None if output is None else bool(output),
+        "output_grad_finite": None if output_grad is None else bool(output_grad),
+        "amp_skipped": None if found_inf is None else found_inf > 0,
+        "amp_scale": scale,
+        "amp_scale_after": scale_after,
+    }
+
+
+def report(message: str) -> None:
+    """Log and warn about a fault in gradtrack itself, never raising from a warning."""
+    logger.warning(message)
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    except Exception:  # warnings turned into errors must not kill the worker thread
+        pass

@@ -1,0 +1,245 @@
+"""Every step guarded, with the defaults users run: a bad gradient is caught at its own step,
+a raise rule keeps it out of the weights every time, and norms stay exact at the extremes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.record import scalar_metrics
+from gradtrack.sinks import MemorySink
+from tests.conftest import reference_stats
+from tests.test_alerts import deep_model, only
+
+
+def train_poisoned(
+    model: nn.Sequential, steps: int, poison_at: set[int], **overrides: object
+) -> tuple[MemorySink, list[int], gradtrack.Watcher]:
+    """SGD with the defaults (``log_every=10``); the Poison module writes NaN into the
+    gradient reaching layer 2 at the steps in ``poison_at``. Returns the sink, the steps that
+    raised (a caught GradientAlertError skips that update) and the watcher."""
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    raised: list[int] = []
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, **overrides) as watcher:
+        for step in range(steps):
+            model[3].value = float("nan") if step in poison_at else None
+            optimizer.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            try:
+                optimizer.step()
+            except gradtrack.GradientAlertError as error:
+                assert error.event.step == step
+                raised.append(step)
+    return sink, raised, watcher
+
+
+def test_nan_at_an_unlogged_step_is_reported_for_that_step_with_its_layers() -> None:
+    model = deep_model()
+    sink, raised, _ = train_poisoned(model, 30, poison_at={13})
+    assert not raised
+    nonfinite = only(sink.events, "nonfinite")
+    assert nonfinite[0].step == 13  # not 20, the next logged step
+    assert nonfinite[0].layer == "2" and nonfinite[0].layers == ("0", "2")
+    assert all(e.step == 13 or e.step % 10 == 0 for e in sink.events)
+    # The step's per-layer metrics were written although 13 is not a logged step (10, 20).
+    steps = [r.step for r in sink.records]
+    assert 13 in steps and all(s % 10 == 0 for s in steps if s != 13)
+    record = next(r for r in sink.records if r.step == 13)
+    assert record.per_layer and record.abs_stats
+    counts = {name: int(s.nan) for name, s in record.layer_stats().items()}
+    assert counts["2"] == 17 and counts["0"] > 0 and counts["5"] == counts["7"] == 0
+    metrics = scalar_metrics(record)
+    assert metrics["grad_nan/2"] == 17 and "grad_norm/7" in metrics and "grad_max/7" in metrics
+    # The update was applied (the default action only logs): later steps are NaN everywhere
+    # and are reported at the logged steps, counted, without a second notification storm.
+    assert sink.records[-1].step == 20 and sink.records[-1].nan_count > 0
+
+
+def test_raise_with_defaults_stops_every_bad_update_inside_one_cooldown_window() -> None:
+    model = deep_model()
+    sink, raised, _ = train_poisoned(
+        model, 30, poison_at={3, 7}, alerts={"nonfinite": {"action": "raise"}}
+    )
+    assert raised == [3, 7]  # both unlogged, 4 steps apart: the cooldown (100) never hides one
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(r.nan_count == 0 for r in sink.records if r.step not in (3, 7))
+    # One notification: the second raise is within the rule's cooldown.
+    assert [e.step for e in only(sink.events, "nonfinite")] == [3]
+
+
+def test_raise_comes_before_the_update_even_when_the_sink_is_stuck() -> None:
+    """The raise is judged in the training thread: a sink blocked in a write (a frozen
+    tracker) must not delay it, nor let the bad update through."""
+    import threading
+
+    release = threading.Event()
+
+    class StuckSink(MemorySink):
+        def write(self, batch: object) -> None:
+            release.wait(30)
+
+    model = deep_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    watcher = gradtrack.watch(
+        model, backend=StuckSink(), optimizer=optimizer, log_every=1,
+        alerts={"nonfinite": {"action": "raise"}},
+    )  # fmt: skip
+    try:
+        for step in range(4):  # the worker is stuck in the first write from step 0 on
+            model[3].value = float("nan") if step == 3 else None
+            optimizer.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            if step < 3:
+                optimizer.step()
+        with pytest.raises(gradtrack.GradientAlertError):
+            optimizer.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    finally:
+        release.set()
+        watcher.close()
+
+
+def single_layer_step(values: torch.Tensor, steps: int = 1, **overrides: object) -> MemorySink:
+    """A one-parameter model whose gradient is exactly ``values`` at every step."""
+    param = nn.Parameter(torch.zeros_like(values))
+    model = nn.Module()
+    model.register_parameter("w", param)
+    sink = MemorySink()
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, **overrides):
+        for _ in range(steps):
+            loss = (param * values).sum()
+            (loss.real if loss.is_complex() else loss).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return sink
+
+
+def test_huge_finite_gradients_have_a_finite_norm_and_explode() -> None:
+    sink = single_layer_step(torch.full((10_000,), 1e18), log_every=1)
+    record = sink.records[0]
+    assert record.total_norm == pytest.approx(1e20, rel=1e-6)
+    assert record.nan_count == record.inf_count == 0
+    assert {e.rule for e in sink.events} == {"exploding"}  # the layer and the total
+
+
+def test_tiny_gradients_never_read_as_zero_on_any_kind_of_step() -> None:
+    # Step 0 is a per-layer step (max/mean |g| too), steps 1 and 2 take the L2 alone.
+    sink = single_layer_step(torch.full((10_000,), 1e-24), steps=3, log_every=1)
+    norms = [r.column("norm")[0] for r in sink.records]
+    assert [r.abs_stats for r in sink.records] == [True, False, False]
+    assert norms[0] == pytest.approx(1e-22, rel=1e-6)
+    assert norms[0] == norms[1] == norms[2]  # the same tensor, the same number
+    assert not only(sink.events, "dead")
+
+
+@pytest.mark.parametrize("values", [[0.5], [3.0] * 1000, [-1e-40] * 7, [3e38, -3e38]])
+@pytest.mark.parametrize("scale", ["linear", "log"])
+def test_constant_and_extreme_gradients_bin_and_keep_the_rules(
+    values: list[float], scale: str
+) -> None:
+    grad = torch.tensor(values, dtype=torch.float32)
+    sink = single_layer_step(
+        grad, log_every=1, hist_every=1, hist_scale=scale, alerts={"exploding": {"threshold": 1}}
+    )
+    record = sink.records[0]
+    histogram = record.histograms["root"]
+    assert histogram.sample_size == len(values)
+    assert np.all(np.diff(histogram.edges) > 0) and np.all(np.isfinite(histogram.edges))
+    expected = reference_stats([grad])["norm"]
+    assert record.total_norm == pytest.approx(expected, rel=1e-6)
+    assert {e.rule for e in sink.events} == ({"exploding"} if expected > 1 else set())
+
+
+def test_a_failing_histogram_mocked_costs_only_the_histograms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mocked: no real input makes binning fail any more, so a failure is forced."""
+
+    def broken(*_: object) -> None:
+        raise ValueError("binning broke")
+
+    monkeypatch.setattr("gradtrack.assemble.bin_samples", broken)
+    with pytest.warns(RuntimeWarning, match="could not build the histograms") as caught:
+        sink = single_layer_step(
+            torch.full((100,), 5.0), steps=3, log_every=1, hist_every=1,
+            alerts={"exploding": {"threshold": 1, "cooldown_steps": 0}},
+        )  # fmt: skip
+    assert sum("histograms" in str(w.message) for w in caught) == 1  # reported once
+    assert [r.step for r in sink.records] == [0, 1, 2]
+    assert all(r.histograms == {} for r in sink.records)
+    assert sorted({e.step for e in sink.events}) == [0, 1, 2]  # the rules ran at every step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_large_tensor_statistics_within_1e_6_of_fp64(dtype: torch.dtype) -> None:
+    """A GPT-2-sized embedding gradient (6.4 M elements, offset so that sums drift)."""
+    generator = torch.Generator().manual_seed(0)
+    grad = (torch.randn(6_400_000, generator=generator) * 1e-3 + 1e-3).to(dtype)
+    record = single_layer_step(grad, log_every=1).records[0]
+    expected = reference_stats([grad])
+    stats = record.layer_stats()["root"]
+    for name in ("norm", "mean_abs", "max_abs", "rms"):
+        assert getattr(stats, name) == pytest.approx(expected[name], rel=1e-6), name
+
+
+def test_fp64_gradients_beyond_fp64_squares_keep_exact_norms() -> None:
+    grad = torch.tensor([1e200, -1e200, 3e-200], dtype=torch.float64)
+    record = single_layer_step(grad, log_every=1).records[0]
+    assert record.total_norm == pytest.approx(math.sqrt(2) * 1e200, rel=1e-12)
+    assert record.column("rms")[0] == pytest.approx(math.sqrt(2 / 3) * 1e200, rel=1e-12)
+
+
+def test_complex_gradients_are_summarised_as_their_modulus() -> None:
+    grad = torch.tensor([3 + 4j, 0 - 12j, 9 + 12j, 0j], dtype=torch.complex64)
+    record = single_layer_step(grad, log_every=1).records[0]
+    modulus = grad.abs().double()
+    stats = record.layer_stats()["root"]
+    assert stats.norm == pytest.approx(float(modulus.norm()), rel=1e-6)  # 20, not 12
+    assert stats.max_abs == pytest.approx(15.0) and stats.mean_abs == pytest.approx(8.0)
+    assert stats.numel == 4
+
+
+def test_guard_cost_on_healthy_unlogged_steps_is_one_pass(tmp_path: Path) -> None:
+    """Healthy unlogged steps hand nothing to the worker: one copy per logged step only."""
+    model = deep_model()
+    sink, raised, watcher = train_poisoned(model, 25, poison_at=set())
+    assert not raised and [r.step for r in sink.records] == [0, 10, 20]
+    assert watcher.host_transfers == 3
+
+
+def test_accelerator_path_latches_an_unlogged_nan_step_without_a_host_read() -> None:
+    """The path CUDA takes (no verdict read at the step; foreach kernels), forced on the CPU:
+    the first bad step between logged steps reaches the worker with the next logged step."""
+    from tests.test_no_sync import OpRecorder
+
+    model = deep_model()
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    recorder = OpRecorder()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer) as watcher:
+        watcher.guard_reads_host = False
+        watcher.collector.foreach_only = True
+        with recorder:
+            for step in range(25):
+                model[3].value = float("nan") if step in (13, 15) else None
+                optimizer.zero_grad()
+                model(torch.randn(32, 8)).pow(2).mean().backward()
+                optimizer.step()
+    assert recorder.ops["_local_scalar_dense"] == 0  # never a read that waits for a device
+    assert [r.step for r in sink.records] == [0, 10, 13, 20]
+    latched = sink.records[2]
+    assert not latched.counted and latched.per_layer and not latched.abs_stats
+    norms = dict(zip(latched.layers, latched.column("norm").tolist()))
+    assert math.isnan(norms["2"]) and math.isnan(norms["0"]) and math.isfinite(norms["7"])
+    assert "grad/nan_count" not in scalar_metrics(latched)  # not counted: never written as 0
+    nonfinite = only(sink.events, "nonfinite")
+    assert nonfinite[0].step == 13 and nonfinite[0].layer == "2"
+    assert nonfinite[0].layers == ("0", "2") and "not counted" in nonfinite[0].message
