@@ -82,6 +82,6 @@ def layer_schedule(config: GradtrackConfig) -> Callable[[int], bool]:
     """
     if config.layer_schedule == "dense_early":
         return DenseEarly(config.layer_every)
-    from gradtrack.worker import FirstInWindow  # the fixed window the worker also uses
+    from gradtrack.assemble import FirstInWindow  # the fixed window the guard also uses
 
     return FirstInWindow(config.layer_every)
