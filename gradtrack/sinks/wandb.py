@@ -9,6 +9,7 @@ import atexit
 import math
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradtrack.alerts import AlertEvent
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
 HIST_FAMILY = "grad_hist"
+PICTURES_FAMILY = "grad_pictures"  # summary images: grad_pictures/<name>
 LAYERS_CONFIG_KEY = "gradtrack_layers"  # layer names in depth order, for readers
 PROFILE_FAMILY = "grad_profile"
 
@@ -45,6 +47,10 @@ class WandbSink:
         self._extreme_names: tuple[str, str] | None = None
         self._layers: list[str] = []
         self._first_nonfinite_logged = False
+        # The report package draws; imported here, not at the top: it sits above the sinks.
+        from gradtrack.report.live import Pictures
+
+        self._pictures = Pictures(self.options.pictures, self.options.pictures_every)
 
     # -- run lifecycle ---------------------------------------------------------------------
     @property
@@ -108,6 +114,26 @@ class WandbSink:
             self._extreme_names = names
             run.summary["gradtrack/weakest_layer"] = names[0]
             run.summary["gradtrack/strongest_layer"] = names[1]
+        if self._pictures.add(batch):
+            self._log_pictures(run)
+
+    def _log_pictures(self, run: Run) -> None:
+        """The pictures as images in the run summary (a history row of their own would
+        shift the user's step count), ``grad_pictures/[<model_name>/]<name>``."""
+        import tempfile
+
+        import wandb
+
+        with tempfile.TemporaryDirectory(prefix="gradtrack-pictures-") as directory:
+            paths = self._pictures.draw(Path(directory), run.name or run.id, f"W&B run {run.id}")
+            model = self.config.model_name
+            images = {
+                metric_key(PICTURES_FAMILY, path.stem, model): wandb.Image(str(path))
+                for path in paths
+                if path.suffix == ".png"
+            }
+            if images:
+                run.summary.update(images)  # W&B copies the files into the run here
 
     def _record_layer_order(self, run: Run, batch: Sequence[StepRecord]) -> None:
         new = [layer for r in batch for layer in r.layers if layer not in self._layers]
@@ -151,6 +177,7 @@ class WandbSink:
     def alert(self, event: AlertEvent) -> None:
         from wandb.sdk.wandb_alerts import AlertLevel
 
+        self._pictures.alert(event)
         run = self._live_run()
         levels = {"info": AlertLevel.INFO, "warning": AlertLevel.WARN, "error": AlertLevel.ERROR}
         level = levels[event.severity]
@@ -173,6 +200,9 @@ class WandbSink:
         self._staged_at = None
 
     def close(self) -> None:
+        run = self._run
+        if run is not None and not _finished(run) and self._pictures.due_at_close():
+            self._log_pictures(run)
         self.flush()
         if self._owns_run and self._run is not None and not _finished(self._run):
             self._run.finish()
