@@ -13,6 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from gradtrack.layers import SPARSE_KINDS
 from gradtrack.record import StepRecord
 from gradtrack.rules import AlertRules, Severity
 
@@ -62,11 +63,24 @@ class AlertEvent(BaseModel):
 class AlertEngine:
     """Keeps the per-layer state rules need (patience runs, running averages, cooldowns)."""
 
-    def __init__(self, rules: AlertRules, depth_order: Sequence[str], rank: int = 0) -> None:
+    def __init__(
+        self,
+        rules: AlertRules,
+        depth_order: Sequence[str],
+        rank: int = 0,
+        kinds: Sequence[str] | None = None,
+        saturating: Sequence[bool] | None = None,
+    ) -> None:
+        """``kinds``: per layer, what it is compared with (`gradtrack.layers.layer_kinds`;
+        default: all alike); ``saturating``: per layer, whether zero gradients there read as
+        saturated tanh/sigmoid rather than dead ReLUs (`gradtrack.layers.saturating_layers`)."""
         self.rules = rules
         self.rank = rank
         self._names = list(depth_order)
         self._depth = {name: i for i, name in enumerate(depth_order)}
+        self._kinds = list(kinds) if kinds is not None else ["layer"] * len(depth_order)
+        self._saturating = list(saturating or [False] * len(depth_order))
+        self._flow_run = 0  # logged steps in a row the flow rule tripped, signed by direction
         self._params: dict[tuple[str, str], np.ndarray] = {}
         self._vanishing_runs = np.zeros(len(depth_order), dtype=np.int64)
         self._dead_runs = np.zeros(len(depth_order), dtype=np.int64)
@@ -96,10 +110,14 @@ class AlertEngine:
             events += self._nonfinite(record)
         events += self._layer_rules(record)
         events += self._exploding(record, None, record.total_norm)
-        events += self._jump(record)
+        jumps = self._jump(record)
+        events += jumps + self._flow(record, broken={self._kind(e.layer) for e in jumps})
         if math.isfinite(record.total_norm):
             self._total_norms.append(record.total_norm)
         return self._merge_layers(events)
+
+    def _kind(self, layer: str | None) -> str | None:
+        return None if layer is None else self._kinds[self._depth[layer]]
 
     # -- helpers ---------------------------------------------------------------------------
     def _emit(
@@ -138,7 +156,7 @@ class AlertEngine:
                 slots[key] = len(groups)
                 groups.append([])
             groups[slots[key]].append(event)
-        return [group[0] if len(group) == 1 else _merged(group) for group in groups]
+        return [group[0] if len(group) == 1 else _merged(group, self._depth) for group in groups]
 
     # -- rules -----------------------------------------------------------------------------
     def _nonfinite(self, record: StepRecord) -> list[AlertEvent]:
@@ -255,18 +273,44 @@ class AlertEngine:
 
         active = self._enabled("dead", idx) & finite
         runs = self._advance(self._dead_runs, idx, active, norms == 0.0)
+        live = finite & (norms > 0)
         for j in np.flatnonzero(active & (runs >= self._param("dead", "patience", idx))):
-            layer = record.layers[j]
-            events += self._emit(
-                record, "dead", layer, statistic="norm", value=float(norms[j]), threshold=0.0,
-                message=(
-                    f"gradient of {layer} has been exactly zero for {runs[j]} logged steps. "
-                    "Likely: dying ReLUs (try LeakyReLU/GELU or a lower learning rate) or an "
-                    "unintended freeze (a .detach(), torch.no_grad() or requires_grad=False "
-                    "upstream of this layer)."
-                ),
-            )  # fmt: skip
+            events += self._dead(record, j, int(runs[j]), live)
         return events + self._spike(record, idx, norms, finite)
+
+    def _dead(self, record: StepRecord, j: int, run: int, live: np.ndarray) -> list[AlertEvent]:
+        layer = record.layers[j]
+        # Where the flow stops: the deepest dead layer whose next layer still gets gradient.
+        after = record.layers[j + 1] if j + 1 < len(record.layers) and live[j + 1] else None
+        where = (
+            f" The flow stops here: {after}, right after it, still gets gradient, so look at "
+            f"what {layer} feeds (its activation) first."
+            if after
+            else ""
+        )
+        if self._saturating[self._depth[layer]]:
+            cause = (
+                "Likely: saturated tanh/sigmoid units — their derivative is exactly 0 in "
+                "float32 once |x| is large (tanh beyond ~9). Try: scaling or normalising the "
+                "inputs, a smaller initialisation, LayerNorm before the nonlinearity, gradient "
+                "clipping; or an unintended freeze (a .detach(), torch.no_grad() or "
+                "requires_grad=False upstream of this layer)."
+            )
+        else:
+            cause = (
+                "Likely: dying ReLUs — every unit's input is negative. Try: LeakyReLU/GELU, a "
+                "lower learning rate, and a bias initialisation that keeps units on (zero or "
+                "slightly positive; a large negative bias switches them off); or an unintended "
+                "freeze (a .detach(), torch.no_grad() or requires_grad=False upstream of this "
+                "layer)."
+            )
+        return self._emit(
+            record, "dead", layer, statistic="norm", value=0.0, threshold=0.0,
+            message=(
+                f"gradient of {layer} has been exactly zero for {run} logged steps.{where} "
+                f"{cause}"
+            ),
+        )  # fmt: skip
 
     def _param(self, rule: str, field: str, idx: np.ndarray) -> np.ndarray:
         """One rule field for every layer (per-layer overrides applied), at ``idx``."""
@@ -332,29 +376,120 @@ class AlertEngine:
         self._ema[idx[active]] = blended[active]
         return events
 
-    def _jump(self, record: StepRecord) -> list[AlertEvent]:
-        # RMS, not norm: a LayerNorm's 128 elements next to a Linear's 16,384 differ ~11x in
-        # norm from size alone; per element the flow of gradient is comparable.
+    def _comparable(self, record: StepRecord) -> dict[str, np.ndarray]:
+        """Rows (depth order) with a finite, non-zero gradient RMS, per kind of layer; layers
+        with row-sparse gradients (embeddings) are compared with nothing."""
         rms = record.column("rms")
-        flowing = np.flatnonzero(np.isfinite(rms) & (rms > 0))  # rows are in depth order
-        upper, lower = flowing[:-1], flowing[1:]
-        ratio = np.maximum(rms[upper] / rms[lower], rms[lower] / rms[upper])
-        idx = np.fromiter((self._depth[record.layers[j]] for j in lower), np.int64, len(lower))
-        limit = self._param("jump", "ratio", idx)
+        by_kind: dict[str, list[int]] = {}
+        for j in np.flatnonzero(np.isfinite(rms) & (rms > 0)):
+            kind = self._kinds[self._depth[record.layers[j]]]
+            if kind not in SPARSE_KINDS:
+                by_kind.setdefault(kind, []).append(int(j))
+        return {kind: np.array(rows) for kind, rows in by_kind.items() if len(rows) > 1}
+
+    def _jump(self, record: StepRecord) -> list[AlertEvent]:
+        """Where every layer of a kind on one side of a depth is ``ratio`` below every layer
+        of that kind on the other: an envelope, so that one layer that is small by nature
+        (a query projection at initialisation) next to normal ones is no break."""
+        rms = record.column("rms")
         events: list[AlertEvent] = []
-        for k in np.flatnonzero(self._enabled("jump", idx) & (ratio > limit)):
-            a, b = record.layers[upper[k]], record.layers[lower[k]]
-            events += self._emit(
-                record, "jump", b, statistic="rms_ratio", value=float(ratio[k]),
-                threshold=float(limit[k]),
-                message=(
-                    f"gradient RMS changes {ratio[k]:.3g}× between adjacent layers {a} "
-                    f"({rms[upper[k]]:.3g}) and {b} ({rms[lower[k]]:.3g}): gradient flow "
-                    "breaks here. Look for a saturating activation, a missing normalisation "
-                    "or residual path, or a scale mismatch between these layers."
-                ),
-            )  # fmt: skip
+        for kind, rows in self._comparable(record).items():
+            values = rms[rows]
+            above_max = np.maximum.accumulate(values)[:-1]  # layers nearer the input
+            above_min = np.minimum.accumulate(values)[:-1]
+            below_min = np.minimum.accumulate(values[::-1])[::-1][1:]  # nearer the loss
+            below_max = np.maximum.accumulate(values[::-1])[::-1][1:]
+            starved, flooded = below_min / above_max, above_min / below_max
+            for k in range(len(rows) - 1):
+                if starved[k] >= flooded[k]:
+                    weak, strong, ratio, low, high = (
+                        k,
+                        k + 1,
+                        starved[k],
+                        above_max[k],
+                        below_min[k],
+                    )
+                else:
+                    weak, strong, ratio, low, high = (
+                        k + 1,
+                        k,
+                        flooded[k],
+                        below_max[k],
+                        above_min[k],
+                    )
+                a, b = record.layers[rows[weak]], record.layers[rows[strong]]
+                rule = self.rule("jump", a)
+                if not rule.enabled or ratio <= rule.ratio:
+                    continue
+                side = "up to" if weak < strong else "from"
+                other = "from" if weak < strong else "up to"
+                events += self._emit(
+                    record, "jump", a, statistic="rms_ratio", value=float(ratio),
+                    threshold=rule.ratio,
+                    message=(
+                        f"gradient flow breaks between {a} and {b}: every {kind} layer {side} "
+                        f"{a} has a gradient RMS of at most {low:.3g}, {ratio:.3g}× below every "
+                        f"{kind} layer {other} {b} (at least {high:.3g}). {a} is the weak side. "
+                        "Look at what lies between them: a scale far from 1 (a tiny constant, "
+                        "a near-zero initialisation), a saturating activation, a .detach(), or "
+                        "a missing residual path or normalisation."
+                    ),
+                )  # fmt: skip
         return events
+
+    def _flow(self, record: StepRecord, broken: set[str | None]) -> list[AlertEvent]:
+        """The seed's profile: the first layers' gradient RMS over the last layers', in the
+        model's most common kind (at least 4 layers), geometric means of a quarter each."""
+        rule = self.rule("flow", None)
+        comparable = self._comparable(record)
+        if not rule.enabled or not comparable:
+            return []
+        kind, rows = max(comparable.items(), key=lambda item: len(item[1]))
+        if len(rows) < 4:
+            self._flow_run = 0
+            return []
+        quarter = max(1, len(rows) // 4)
+        rms = record.column("rms")
+        first, last = rows[:quarter], rows[-quarter:]
+        ratio = float(np.exp(np.log(rms[first]).mean() - np.log(rms[last]).mean()))
+        direction = -1 if ratio < 1 / rule.ratio else 1 if ratio > rule.ratio else 0
+        if direction == 0 or kind in broken:  # a break is the jump rule's finding
+            self._flow_run = 0
+            return []
+        same = self._flow_run * direction > 0
+        self._flow_run = self._flow_run + direction if same else direction
+        if abs(self._flow_run) < rule.patience:
+            return []
+        names = [record.layers[j] for j in rows]
+        layer, statistic = names[0], "flow_ratio"  # the starving (or flooded) end
+        head, tail = ", ".join(names[:quarter]), ", ".join(names[-quarter:])
+        decades = abs(math.log10(ratio))
+        span = f"across {len(rows)} {kind} layers, {decades:.1f} decades"
+        if direction < 0:
+            message = (
+                f"gradient vanishes along depth: the first {kind} layers ({head}) get "
+                f"{ratio:.3g}× the gradient RMS of the last ones ({tail}) — {span} lost "
+                f"gradually, for {abs(self._flow_run)} logged steps: the first layers barely "
+                "learn. Try: non-saturating activations (ReLU/GELU instead of sigmoid/tanh), "
+                "residual connections, normalisation (LayerNorm/BatchNorm), and a "
+                "variance-preserving initialisation (Kaiming for ReLU, Xavier for tanh)."
+            )
+        else:
+            history = list(self._total_norms)
+            clip = float(np.percentile(history, 50)) if history else 1.0
+            message = (
+                f"gradient explodes along depth: the first {kind} layers ({head}) get "
+                f"{ratio:.3g}× the gradient RMS of the last ones ({tail}) — {span} gained, for "
+                f"{abs(self._flow_run)} logged steps. Try: clipping, "
+                f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip:.2g}) (the "
+                "median total norm so far), a lower learning rate, normalisation "
+                "(LayerNorm/BatchNorm), or a smaller initialisation."
+            )
+        return self._emit(
+            record, "flow", layer, statistic=statistic, value=ratio,
+            threshold=1 / rule.ratio if direction < 0 else rule.ratio, message=message,
+            layers=(layer, names[-1]),
+        )  # fmt: skip
 
     def _amp(self, record: StepRecord) -> list[AlertEvent]:
         rule = self.rule("amp", None)
@@ -386,22 +521,28 @@ class AlertEngine:
 _SHOWN_LAYERS = 8
 
 
-def _merged(group: list[AlertEvent]) -> AlertEvent:
-    """The events of one rule at one step as one, led by the worst layer: the furthest past
-    its threshold (per-layer overrides may set different ones)."""
+def _merged(group: list[AlertEvent], depth: dict[str, int]) -> AlertEvent:
+    """The events of one rule at one step as one, led by the culprit: for ``dead``, the
+    deepest dead layer whose next layer still gets gradient (where the flow stops); for
+    ``jump``, the weak side of the largest break; otherwise the layer furthest past its
+    threshold (per-layer overrides may set different ones)."""
 
     def past_threshold(event: AlertEvent) -> float:
         return event.value / event.threshold if event.threshold else event.value
 
-    low_is_bad = group[0].rule in ("vanishing", "dead")
-    worst = (min if low_is_bad else max)(group, key=past_threshold)
+    if group[0].rule == "dead":
+        stops = [e for e in group if "The flow stops here" in e.message] or group
+        worst = max(stops, key=lambda e: depth.get(e.layer or "", -1))
+    else:
+        worst = (min if group[0].rule == "vanishing" else max)(group, key=past_threshold)
     layers = tuple(e.layer for e in group if e.layer is not None)
     others = [name for name in layers if name != worst.layer]
     listed = ", ".join(others[:_SHOWN_LAYERS])
     if len(others) > _SHOWN_LAYERS:
         listed += f" and {len(others) - _SHOWN_LAYERS} more"
+    lead = "the culprit" if group[0].rule in ("dead", "jump") else "the worst"
     message = (
-        f"{worst.rule} in {len(layers)} layers at once; the worst: {worst.message} "
+        f"{worst.rule} in {len(layers)} layers at once; {lead}: {worst.message} "
         f"The others: {listed}."
     )
     return worst.model_copy(update={"layers": layers, "message": message})

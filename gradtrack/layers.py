@@ -204,3 +204,35 @@ def _check_patterns(option: str, patterns: Sequence[str], names: list[str]) -> N
 def _preview(names: list[str], limit: int = 12) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# Modules whose gradient is row-sparse (only the rows a batch looked up): its RMS says how many
+# rows were used, not how well gradient flows, so it is never compared with other layers'.
+SPARSE_KINDS = frozenset({"Embedding", "EmbeddingBag"})
+RECURRENT_KINDS = frozenset({"RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"})
+_SATURATING = frozenset({"Tanh", "Sigmoid", "Hardtanh", "Softsign", "Hardsigmoid"})
+_PIECEWISE_LINEAR = frozenset({"ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "Threshold"})
+
+
+def layer_kinds(layers: Sequence[Layer], granularity: str = "layer") -> tuple[str, ...]:
+    """What rules compare like with like by: the module type, and per parameter its role.
+
+    >>> layer_kinds(discover_layers(nn.Sequential(nn.Linear(2, 2)), GradtrackConfig()))
+    ('Linear',)
+    """
+    if granularity == "parameter":
+        return tuple(
+            f"{layer.module_type.__name__}.{layer.name.rsplit('.', 1)[-1]}" for layer in layers
+        )
+    return tuple(layer.module_type.__name__ for layer in layers)
+
+
+def saturating_layers(model: nn.Module, layers: Sequence[Layer]) -> tuple[bool, ...]:
+    """Per layer: whether exactly-zero gradients there more likely mean saturated tanh/sigmoid
+    units than dead ReLUs — a recurrent layer, or a model whose activation modules are all
+    saturating ones (functional activations are invisible: then the ReLU reading stays)."""
+    types = {type(module).__name__ for module in model.modules()}
+    saturating_model = bool(types & _SATURATING) and not types & _PIECEWISE_LINEAR
+    return tuple(
+        saturating_model or layer.module_type.__name__ in RECURRENT_KINDS for layer in layers
+    )

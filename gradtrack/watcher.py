@@ -26,7 +26,13 @@ from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_gr
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.latch import BadStepLatch
-from gradtrack.layers import activation_modules, discover_layers, unwrap_model
+from gradtrack.layers import (
+    activation_modules,
+    discover_layers,
+    layer_kinds,
+    saturating_layers,
+    unwrap_model,
+)
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, Worker
 
@@ -87,7 +93,13 @@ class Watcher:
         self.mailbox = Mailbox(config.queue_size, config.queue_full)
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
-        self.alert_engine = AlertEngine(config.alerts, self.collector.layer_names, rank)
+        self.alert_engine = AlertEngine(
+            config.alerts,
+            self.collector.layer_names,
+            rank,
+            kinds=layer_kinds(self.layers, config.granularity),
+            saturating=saturating_layers(inner, self.layers),
+        )
         # A rule that may raise is evaluated here, in the training thread, before the
         # optimizer applies the step; otherwise the worker evaluates every rule.
         self._raise_on_alert = "raise" in config.alerts.actions()
