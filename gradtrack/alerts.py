@@ -17,7 +17,7 @@ from gradtrack.layers import SPARSE_KINDS
 from gradtrack.record import StepRecord
 from gradtrack.rules import AlertRules, Severity
 
-Stage = Literal["forward", "loss", "backward"]
+Stage = Literal["forward", "loss", "backward", "weights"]
 
 
 class AlertEvent(BaseModel):
@@ -81,6 +81,8 @@ class AlertEngine:
         self._kinds = list(kinds) if kinds is not None else ["layer"] * len(depth_order)
         self._saturating = list(saturating or [False] * len(depth_order))
         self._flow_run = 0  # logged steps in a row the flow rule tripped, signed by direction
+        self._last_bad_gradient: int | None = None  # the last step with a non-finite gradient
+        self._weights_bad_since: int | None = None  # the first step whose weights were
         self._params: dict[tuple[str, str], np.ndarray] = {}
         self._vanishing_runs = np.zeros(len(depth_order), dtype=np.int64)
         self._dead_runs = np.zeros(len(depth_order), dtype=np.int64)
@@ -169,25 +171,7 @@ class AlertEngine:
         origin, stage = self.nonfinite_origin(record, bad)
         nan, inf = int(nan_counts[rows].sum()), int(inf_counts[rows].sum())
         kind = "NaN" if nan or np.isnan(norms[rows]).any() else "Inf"
-        if stage == "forward":
-            where = "the model output (forward pass) was already non-finite"
-            advice = (
-                "check the input batch for NaN/Inf, the forward numerics (normalisation of "
-                "near-constant inputs, exp/log overflow) and, under AMP, fp16 overflow"
-            )
-        elif stage == "loss":
-            where = "the gradient reaching the model output was already non-finite (loss)"
-            advice = (
-                "the loss produced it: look for log(0), division by zero or sqrt of 0 in the "
-                "loss, or targets outside the loss's range"
-            )
-        else:
-            where = f"first at {origin} (backward; model output finite)"
-            advice = (
-                f"look at the ops in {origin}'s backward (division by ~0, sqrt/log of ~0, exp "
-                "overflow), its inputs, the learning rate (lower it, or clip the gradient "
-                "norm), and AMP loss scaling (use a GradScaler, or bf16)"
-            )
+        where, advice = self._nonfinite_diagnosis(record, origin, stage)
         counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {', '.join(bad[:8])}"
         if not record.counted:
             counts = (
@@ -210,6 +194,12 @@ class AlertEngine:
         elif ranks is not None:
             counts += "; every rank's local gradient was finite: the all-reduce overflowed"
         message = f"{kind} gradient {where}. {counts}. Try: {advice}."
+        if stage == "weights":
+            message = self._weights_message(record, kind, counts)
+        elif record.origin_note and not record.origin_note.startswith("the input batch"):
+            message += f" {record.origin_note[0].upper()}{record.origin_note[1:]}."
+        if stage != "weights":
+            self._last_bad_gradient = record.step
         return self._emit(
             record, "nonfinite", origin,
             statistic=("nan_count" if nan else "inf_count") if record.counted else "layers",
@@ -218,7 +208,79 @@ class AlertEngine:
             origin_layer=origin, origin_stage=stage, ranks=ranks, layers=tuple(bad),
         )  # fmt: skip
 
+    def _weights_message(self, record: StepRecord, kind: str, counts: str) -> str:
+        weights = record.nonfinite_weights or ()
+        if self._weights_bad_since is None:
+            self._weights_bad_since = record.step
+        last = self._last_bad_gradient
+        if last is not None and last < self._weights_bad_since:
+            since = (
+                f"since step {last + 1}: the update of step {last}, whose gradient was "
+                "non-finite, was applied"
+            )
+            fix = f"fix what made step {last}'s gradient (its event says where)"
+        else:
+            since = f"since step {self._weights_bad_since} or earlier"
+            fix = "find the first non-finite step (grad/nan_count, grad/inf_count)"
+        shown = ", ".join(weights[:8]) + (
+            f" and {len(weights) - 8} more" if len(weights) > 8 else ""
+        )
+        return (
+            f"{kind} gradient because the weights are non-finite: {shown} "
+            f"({len(weights)} layer(s)) hold NaN/Inf {since}. Every forward and backward "
+            f"since is non-finite, whatever the batch: the run cannot recover by itself. "
+            f"{counts}. Try: stop, restore a checkpoint from before that step, {fix}, and keep "
+            "bad updates out of the weights: alerts={'nonfinite': {'action': 'raise'}}, "
+            "gradient clipping, or a GradScaler (it skips non-finite steps)."
+        )
+
+    @staticmethod
+    def _nonfinite_diagnosis(
+        record: StepRecord, origin: str | None, stage: Stage
+    ) -> tuple[str, str]:
+        """Where it arose, and what to try (the seed's fix column: an eps or a clamp on the
+        op that made it, a GradScaler under fp16)."""
+        fix = (
+            "an eps or a clamp where a log, sqrt or division meets 0 or a negative "
+            "(torch.log(x.clamp_min(1e-8)), torch.sqrt(x + 1e-8), x / (y + 1e-8)), "
+            "exp/pow overflow, and under fp16 AMP a GradScaler (or bf16)"
+        )
+        if stage == "weights":
+            return "", ""
+        if stage == "forward" and record.origin_note.startswith("the input batch"):
+            return (
+                "from the input batch: it already held NaN/Inf (forward pass)",
+                "check the data pipeline (missing values, a division in preprocessing): "
+                "torch.isfinite(batch).all() where the batch is made",
+            )
+        if stage == "forward":
+            made = f" at {origin}'s output" if record.origin_module else ""
+            return (
+                f"made in the forward pass{made} (the model output was already non-finite)",
+                f"look at {origin}'s forward: {fix}; and the input batch for NaN/Inf"
+                if record.origin_module
+                else f"the input batch for NaN/Inf and the forward numerics: {fix}",
+            )
+        if stage == "loss":
+            return (
+                "the gradient reaching the model output was already non-finite (loss)",
+                f"the loss produced it (log(0), division by zero, sqrt of 0, targets outside "
+                f"the loss's range): {fix}; prefer fused losses (cross_entropy on logits, "
+                "binary_cross_entropy_with_logits)",
+            )
+        return (
+            f"first at {origin} (backward; model output finite)",
+            f"look at the ops in {origin}'s backward: {fix}; then the learning rate (lower it, "
+            "or clip the gradient norm)",
+        )
+
     def nonfinite_origin(self, record: StepRecord, bad: list[str]) -> tuple[str | None, Stage]:
+        if record.nonfinite_weights:
+            return record.nonfinite_weights[0], "weights"
+        if record.origin_module_stage in ("loss", "forward") and record.origin_module is None:
+            return None, record.origin_module_stage  # type: ignore[return-value]
+        if record.origin_module is not None and record.origin_module_stage is not None:
+            return record.origin_module, record.origin_module_stage  # type: ignore[return-value]
         if record.output_finite is False:
             stage: Stage = "forward"
         elif record.output_grad_finite is False:
