@@ -26,7 +26,6 @@ from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_gr
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.latch import BadStepLatch
-from gradtrack.origin import OriginProbe, nonfinite_weight_layers
 from gradtrack.layers import (
     activation_modules,
     discover_layers,
@@ -34,6 +33,7 @@ from gradtrack.layers import (
     saturating_layers,
     unwrap_model,
 )
+from gradtrack.origin import OriginProbe, nonfinite_weight_layers
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, Worker
 

@@ -306,3 +306,58 @@ def image_batch(batch_size: int = 8) -> Batch:
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, targets)
+
+
+class BertLike(nn.Module):
+    """A post-LN encoder (BERT's layout: embeddings, LayerNorm, post-LN blocks, a pooler)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(16, dim)
+        self.norm = nn.LayerNorm(dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.pooler = nn.Linear(dim, dim)
+        self.classifier = nn.Linear(dim, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.embed(tokens) + self.pos(torch.arange(tokens.shape[1])))
+        pooled = torch.tanh(self.pooler(self.encoder(x)[:, 0]))
+        return self.classifier(pooled)
+
+
+def parity_batch(vocab: int = 64, length: int = 16, batch_size: int = 16) -> Batch:
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(step)
+        tokens = torch.randint(vocab, (batch_size, length), generator=generator)
+        return tokens, (tokens[:, 1] % 2)
+
+    return batch
+
+
+def manual_bce(p: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy written by hand: 0 · log(0) is NaN where p is exactly 0 or 1."""
+    return -(target * torch.log(p) + (1 - target) * torch.log(1 - p)).mean()
+
+
+class SaturatingClassifier(nn.Module):
+    """A sigmoid output; ``sharp`` (set per step) makes it exactly 0 or 1 in float32."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+        self.sharp = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logit = self.body(x)
+        return torch.sigmoid(logit * (1e4 if self.sharp else 1.0))
+
+
+def binary_batch(width: int = 16, batch_size: int = 32) -> Batch:
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(batch_size, width, generator=generator)
+        return x, (x[:, :1] > 0).float()
+
+    return batch
