@@ -44,7 +44,27 @@ def train(
     before: Callable[[int], None] = lambda step: None,
     **overrides: Any,
 ) -> Run:
-    """A plain training loop with ``gradtrack.watch``'s defaults (``log_every=10`` …)."""
+    """A plain training loop with ``gradtrack.watch``'s defaults (``log_every=10`` …), on
+    one thread: these models are too small to gain from more, and on a shared machine
+    competing threads make them many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(model, batch, loss_of, steps, lr, optimizer, before, **overrides)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(
+    model: nn.Module,
+    batch: Batch,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int,
+    lr: float,
+    optimizer: str,
+    before: Callable[[int], None],
+    **overrides: Any,
+) -> Run:
     params = model.parameters()
     opt = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr)
     sink = MemorySink()
