@@ -462,39 +462,30 @@ class AlertEngine:
             below_min = np.minimum.accumulate(values[::-1])[::-1][1:]  # nearer the loss
             below_max = np.maximum.accumulate(values[::-1])[::-1][1:]
             starved, flooded = below_min / above_max, above_min / below_max
-            for k in range(len(rows) - 1):
-                if starved[k] >= flooded[k]:
-                    weak, strong, ratio, low, high = (
-                        k,
-                        k + 1,
-                        starved[k],
-                        above_max[k],
-                        below_min[k],
-                    )
-                else:
-                    weak, strong, ratio, low, high = (
-                        k + 1,
-                        k,
-                        flooded[k],
-                        below_max[k],
-                        above_min[k],
-                    )
-                a, b = record.layers[rows[weak]], record.layers[rows[strong]]
-                rule = self.rule("jump", a)
-                if not rule.enabled or ratio <= rule.ratio:
-                    continue
-                side = "up to" if weak < strong else "from"
-                other = "from" if weak < strong else "up to"
+            upstream_weak = starved >= flooded  # else the side nearer the loss is the weak one
+            boundary = np.arange(len(rows) - 1)
+            weak = np.where(upstream_weak, boundary, boundary + 1)
+            idx = np.fromiter(
+                (self._depth[record.layers[j]] for j in rows[weak]), np.int64, len(weak)
+            )
+            ratio = np.maximum(starved, flooded)
+            limit = self._param("jump", "ratio", idx)
+            for k in np.flatnonzero(self._enabled("jump", idx) & (ratio > limit)):
+                up = bool(upstream_weak[k])
+                strong = k + 1 if up else k
+                a, b = record.layers[rows[weak[k]]], record.layers[rows[strong]]
+                low, high = (above_max[k], below_min[k]) if up else (below_max[k], above_min[k])
+                side, other = ("up to", "from") if up else ("from", "up to")
                 events += self._emit(
-                    record, "jump", a, statistic="rms_ratio", value=float(ratio),
-                    threshold=rule.ratio,
+                    record, "jump", a, statistic="rms_ratio", value=float(ratio[k]),
+                    threshold=float(limit[k]),
                     message=(
                         f"gradient flow breaks between {a} and {b}: every {kind} layer {side} "
-                        f"{a} has a gradient RMS of at most {low:.3g}, {ratio:.3g}× below every "
-                        f"{kind} layer {other} {b} (at least {high:.3g}). {a} is the weak side. "
-                        "Look at what lies between them: a scale far from 1 (a tiny constant, "
-                        "a near-zero initialisation), a saturating activation, a .detach(), or "
-                        "a missing residual path or normalisation."
+                        f"{a} has a gradient RMS of at most {low:.3g}, {ratio[k]:.3g}× below "
+                        f"every {kind} layer {other} {b} (at least {high:.3g}). {a} is the weak "
+                        "side. Look at what lies between them: a scale far from 1 (a tiny "
+                        "constant, a near-zero initialisation), a saturating activation, a "
+                        ".detach(), or a missing residual path or normalisation."
                     ),
                 )  # fmt: skip
         return events
