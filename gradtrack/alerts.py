@@ -337,7 +337,7 @@ class AlertEngine:
         runs = self._advance(self._dead_runs, idx, active, norms == 0.0)
         live = finite & (norms > 0)
         for j in np.flatnonzero(active & (runs >= self._param("dead", "patience", idx))):
-            events += self._dead(record, j, int(runs[j]), live)
+            events += self._dead(record, int(j), int(runs[j]), live)
         return events + self._spike(record, idx, norms, finite)
 
     def _dead(self, record: StepRecord, j: int, run: int, live: np.ndarray) -> list[AlertEvent]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
@@ -200,7 +201,7 @@ _FORWARD_NOTE = (
 
 
 def nonfinite_weight_layers(
-    layer_names: Sequence[str], params: Sequence[Tensor], tensor_layer: Sequence[int]
+    layer_names: Sequence[str], params: Sequence[Tensor], tensor_layer: np.ndarray
 ) -> tuple[str, ...]:
     """The layers whose parameters (not gradients) hold a NaN or Inf, in depth order."""
     with torch.no_grad():
