@@ -180,7 +180,13 @@ def _replay(
         if flags[2 * k] and (not flags[2 * k + 1] or name in own_bad)
     ]
     if not made:
-        return Origin(None, None, "the replay's backward stayed finite " + _FORWARD_NOTE)
+        return Origin(
+            None,
+            None,
+            "the replay's backward stayed finite: the model's own forward and backward did "
+            "not make it (a gradient changed after backward — a hook, clipping code, a "
+            "collective — or what the replay cannot see) " + _FORWARD_NOTE,
+        )
     # Innermost: a module none of whose submodules also made it; the first in backward order.
     inner = [name for name in made if not any(_inside(other, name) for other in made)]
     return Origin(_shown(inner[0] if inner else made[0]), "backward", _FORWARD_NOTE)
