@@ -23,10 +23,13 @@ Stage = Literal["forward", "loss", "backward", "weights"]
 class AlertEvent(BaseModel):
     """One alert: what tripped, where, by how much, and what to do about it.
 
-    ``origin_layer`` / ``origin_stage`` say where non-finite gradients first appeared: in the
-    forward pass (the model output was already non-finite), in the loss (the gradient reaching
-    the model output was), or in backward at ``origin_layer`` (the non-finite layer nearest
-    the loss).
+    ``origin_layer`` / ``origin_stage`` say where non-finite gradients were made (see
+    `gradtrack.origin`): ``"forward"`` — the first module, in execution order, whose output
+    was non-finite (None: the input batch already was); ``"loss"`` — the gradient reaching
+    the model output was; ``"backward"`` — the innermost module whose input gradient was
+    non-finite while its output gradient was finite (any module, not only a layer; without a
+    replay, the non-finite layer nearest the loss); ``"weights"`` — the weights were already
+    non-finite (an earlier bad update was applied): the first such layer.
 
     Per-layer rules that trip in several layers at one step make one event: ``layers`` names
     them all (depth order), ``layer``/``value``/``threshold`` are the worst of them.
