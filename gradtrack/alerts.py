@@ -544,7 +544,6 @@ class AlertEngine:
         return self._emit(
             record, "flow", layer, statistic=statistic, value=ratio,
             threshold=1 / rule.ratio if direction < 0 else rule.ratio, message=message,
-            layers=(layer, names[-1]),
         )  # fmt: skip
 
     def _amp(self, record: StepRecord) -> list[AlertEvent]:
