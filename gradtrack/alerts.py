@@ -6,6 +6,7 @@ Each message carries a diagnosis — the likely cause and what to try — from t
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -494,20 +495,35 @@ class AlertEngine:
         return events
 
     def _flow(self, record: StepRecord, broken: set[str | None]) -> list[AlertEvent]:
-        """The seed's profile: the first layers' gradient RMS over the last layers', in the
-        model's most common kind (at least 4 layers), geometric means of a quarter each."""
+        """The seed's profile, first layers over last, compared like with like: per *role* —
+        a kind of layer at one place in a repeated block (``blocks.#.attn.q``; every layer of
+        a plain stack) with at least 3 layers — the geometric-mean gradient RMS of its first
+        quarter over its last quarter; the model's ratio is the median role's. Query and key
+        projections, small by nature, are so compared only with each other."""
         rule = self.rule("flow", None)
         comparable = self._comparable(record)
         if not rule.enabled or not comparable:
             return []
-        kind, rows = max(comparable.items(), key=lambda item: len(item[1]))
-        if len(rows) < 4:
+        rms = record.column("rms")
+        roles: dict[tuple[str, str], list[int]] = {}
+        for kind, kind_rows in comparable.items():
+            for j in kind_rows:
+                role = (kind, _DIGITS.sub("#", record.layers[j]))
+                roles.setdefault(role, []).append(int(j))
+        profiles = []  # (log ratio, kind, rows in depth order)
+        for (kind, _), role_rows in roles.items():
+            if len(role_rows) >= 3:
+                quarter = max(1, len(role_rows) // 4)
+                head, tail = rms[role_rows[:quarter]], rms[role_rows[-quarter:]]
+                profiles.append((np.log(head).mean() - np.log(tail).mean(), kind, role_rows))
+        if not profiles:
             self._flow_run = 0
             return []
+        profiles.sort(key=lambda profile: profile[0])
+        log_ratio, kind, role_rows = profiles[(len(profiles) - 1) // 2]  # the median role
+        rows = np.array(role_rows)
         quarter = max(1, len(rows) // 4)
-        rms = record.column("rms")
-        first, last = rows[:quarter], rows[-quarter:]
-        ratio = float(np.exp(np.log(rms[first]).mean() - np.log(rms[last]).mean()))
+        ratio = float(np.exp(log_ratio))
         direction = -1 if ratio < 1 / rule.ratio else 1 if ratio > rule.ratio else 0
         if direction == 0 or kind in broken:  # a break is the jump rule's finding
             self._flow_run = 0
@@ -574,6 +590,7 @@ class AlertEngine:
 
 
 _SHOWN_LAYERS = 8
+_DIGITS = re.compile(r"\d+")
 
 
 def _merged(group: list[AlertEvent], depth: dict[str, int]) -> AlertEvent:

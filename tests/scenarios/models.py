@@ -381,3 +381,34 @@ def binary_batch(width: int = 16, batch_size: int = 32) -> Batch:
         return x, (x[:, :1] > 0).float()
 
     return batch
+
+
+class Logits(nn.Module):
+    """A Hugging Face model (built from a config: no download) as tokens → logits."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=tokens).logits
+
+
+def hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=96, n_positions=16, n_embd=32, n_layer=3, n_head=4,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return Logits(GPT2LMHeadModel(config))
+
+
+def hf_bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    return Logits(BertForSequenceClassification(config))

@@ -140,11 +140,15 @@ CONTROLS = {
     ),
     "bert_post_ln": lambda: m.train(m.BertLike(), m.parity_batch(), m.cross_entropy, 150),
     "lstm": lambda: m.train(m.LSTMRegressor(), m.sequence_batch(), m.mse, 150),
+    "hf_gpt2": lambda: m.train(m.hf_gpt2(), m.token_batch(96), m.next_token_loss, 150, lr=3e-4),
+    "hf_bert": lambda: m.train(m.hf_bert(), m.parity_batch(), m.cross_entropy, 150, lr=3e-4),
 }
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
 def test_healthy_models_raise_no_warning_or_error_in_150_steps(name: str) -> None:
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
     torch.manual_seed(0)
     run = CONTROLS[name]()
     assert run.losses[-1] < run.losses[0]  # it trains
