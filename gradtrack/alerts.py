@@ -534,13 +534,13 @@ class AlertEngine:
             return []
         names = [record.layers[j] for j in rows]
         layer, statistic = names[0], "flow_ratio"  # the starving (or flooded) end
-        head, tail = ", ".join(names[:quarter]), ", ".join(names[-quarter:])
+        first_names, last_names = ", ".join(names[:quarter]), ", ".join(names[-quarter:])
         decades = abs(math.log10(ratio))
         span = f"across {len(rows)} {kind} layers, {decades:.1f} decades"
         if direction < 0:
             message = (
-                f"gradient vanishes along depth: the first {kind} layers ({head}) get "
-                f"{ratio:.3g}× the gradient RMS of the last ones ({tail}) — {span} lost "
+                f"gradient vanishes along depth: the first {kind} layers ({first_names}) get "
+                f"{ratio:.3g}× the gradient RMS of the last ones ({last_names}) — {span} lost "
                 f"gradually, for {abs(self._flow_run)} logged steps: the first layers barely "
                 "learn. Try: non-saturating activations (ReLU/GELU instead of sigmoid/tanh), "
                 "residual connections, normalisation (LayerNorm/BatchNorm), and a "
@@ -550,9 +550,9 @@ class AlertEngine:
             history = list(self._total_norms)
             clip = float(np.percentile(history, 50)) if history else 1.0
             message = (
-                f"gradient explodes along depth: the first {kind} layers ({head}) get "
-                f"{ratio:.3g}× the gradient RMS of the last ones ({tail}) — {span} gained, for "
-                f"{abs(self._flow_run)} logged steps. Try: clipping, "
+                f"gradient explodes along depth: the first {kind} layers ({first_names}) get "
+                f"{ratio:.3g}× the gradient RMS of the last ones ({last_names}) — {span} "
+                f"gained, for {abs(self._flow_run)} logged steps. Try: clipping, "
                 f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip:.2g}) (the "
                 "median total norm so far), a lower learning rate, normalisation "
                 "(LayerNorm/BatchNorm), or a smaller initialisation."
