@@ -6,6 +6,7 @@ Each message carries a diagnosis — the likely cause and what to try — from t
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -13,19 +14,23 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from gradtrack.layers import SPARSE_KINDS
 from gradtrack.record import StepRecord
 from gradtrack.rules import AlertRules, Severity
 
-Stage = Literal["forward", "loss", "backward"]
+Stage = Literal["forward", "loss", "backward", "weights"]
 
 
 class AlertEvent(BaseModel):
     """One alert: what tripped, where, by how much, and what to do about it.
 
-    ``origin_layer`` / ``origin_stage`` say where non-finite gradients first appeared: in the
-    forward pass (the model output was already non-finite), in the loss (the gradient reaching
-    the model output was), or in backward at ``origin_layer`` (the non-finite layer nearest
-    the loss).
+    ``origin_layer`` / ``origin_stage`` say where non-finite gradients were made (see
+    `gradtrack.origin`): ``"forward"`` — the first module, in execution order, whose output
+    was non-finite (None: the input batch already was); ``"loss"`` — the gradient reaching
+    the model output was; ``"backward"`` — the innermost module whose input gradient was
+    non-finite while its output gradient was finite (any module, not only a layer; without a
+    replay, the non-finite layer nearest the loss); ``"weights"`` — the weights were already
+    non-finite (an earlier bad update was applied): the first such layer.
 
     Per-layer rules that trip in several layers at one step make one event: ``layers`` names
     them all (depth order), ``layer``/``value``/``threshold`` are the worst of them.
@@ -62,11 +67,26 @@ class AlertEvent(BaseModel):
 class AlertEngine:
     """Keeps the per-layer state rules need (patience runs, running averages, cooldowns)."""
 
-    def __init__(self, rules: AlertRules, depth_order: Sequence[str], rank: int = 0) -> None:
+    def __init__(
+        self,
+        rules: AlertRules,
+        depth_order: Sequence[str],
+        rank: int = 0,
+        kinds: Sequence[str] | None = None,
+        saturating: Sequence[bool] | None = None,
+    ) -> None:
+        """``kinds``: per layer, what it is compared with (`gradtrack.layers.layer_kinds`;
+        default: all alike); ``saturating``: per layer, whether zero gradients there read as
+        saturated tanh/sigmoid rather than dead ReLUs (`gradtrack.layers.saturating_layers`)."""
         self.rules = rules
         self.rank = rank
         self._names = list(depth_order)
         self._depth = {name: i for i, name in enumerate(depth_order)}
+        self._kinds = list(kinds) if kinds is not None else ["layer"] * len(depth_order)
+        self._saturating = list(saturating or [False] * len(depth_order))
+        self._flow_run = 0  # logged steps in a row the flow rule tripped, signed by direction
+        self._last_bad_gradient: int | None = None  # the last step with a non-finite gradient
+        self._weights_bad_since: int | None = None  # the first step whose weights were
         self._params: dict[tuple[str, str], np.ndarray] = {}
         self._vanishing_runs = np.zeros(len(depth_order), dtype=np.int64)
         self._dead_runs = np.zeros(len(depth_order), dtype=np.int64)
@@ -96,10 +116,14 @@ class AlertEngine:
             events += self._nonfinite(record)
         events += self._layer_rules(record)
         events += self._exploding(record, None, record.total_norm)
-        events += self._jump(record)
+        jumps = self._jump(record)
+        events += jumps + self._flow(record, broken={self._kind(e.layer) for e in jumps})
         if math.isfinite(record.total_norm):
             self._total_norms.append(record.total_norm)
         return self._merge_layers(events)
+
+    def _kind(self, layer: str | None) -> str | None:
+        return None if layer is None else self._kinds[self._depth[layer]]
 
     # -- helpers ---------------------------------------------------------------------------
     def _emit(
@@ -138,7 +162,7 @@ class AlertEngine:
                 slots[key] = len(groups)
                 groups.append([])
             groups[slots[key]].append(event)
-        return [group[0] if len(group) == 1 else _merged(group) for group in groups]
+        return [group[0] if len(group) == 1 else _merged(group, self._depth) for group in groups]
 
     # -- rules -----------------------------------------------------------------------------
     def _nonfinite(self, record: StepRecord) -> list[AlertEvent]:
@@ -151,25 +175,7 @@ class AlertEngine:
         origin, stage = self.nonfinite_origin(record, bad)
         nan, inf = int(nan_counts[rows].sum()), int(inf_counts[rows].sum())
         kind = "NaN" if nan or np.isnan(norms[rows]).any() else "Inf"
-        if stage == "forward":
-            where = "the model output (forward pass) was already non-finite"
-            advice = (
-                "check the input batch for NaN/Inf, the forward numerics (normalisation of "
-                "near-constant inputs, exp/log overflow) and, under AMP, fp16 overflow"
-            )
-        elif stage == "loss":
-            where = "the gradient reaching the model output was already non-finite (loss)"
-            advice = (
-                "the loss produced it: look for log(0), division by zero or sqrt of 0 in the "
-                "loss, or targets outside the loss's range"
-            )
-        else:
-            where = f"first at {origin} (backward; model output finite)"
-            advice = (
-                f"look at the ops in {origin}'s backward (division by ~0, sqrt/log of ~0, exp "
-                "overflow), its inputs, the learning rate (lower it, or clip the gradient "
-                "norm), and AMP loss scaling (use a GradScaler, or bf16)"
-            )
+        where, advice = self._nonfinite_diagnosis(record, origin, stage)
         counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {', '.join(bad[:8])}"
         if not record.counted:
             counts = (
@@ -192,6 +198,12 @@ class AlertEngine:
         elif ranks is not None:
             counts += "; every rank's local gradient was finite: the all-reduce overflowed"
         message = f"{kind} gradient {where}. {counts}. Try: {advice}."
+        if stage == "weights":
+            message = self._weights_message(record, kind, counts)
+        elif record.origin_note and not record.origin_note.startswith("the input batch"):
+            message += f" {record.origin_note[0].upper()}{record.origin_note[1:]}."
+        if stage != "weights":
+            self._last_bad_gradient = record.step
         return self._emit(
             record, "nonfinite", origin,
             statistic=("nan_count" if nan else "inf_count") if record.counted else "layers",
@@ -200,7 +212,79 @@ class AlertEngine:
             origin_layer=origin, origin_stage=stage, ranks=ranks, layers=tuple(bad),
         )  # fmt: skip
 
+    def _weights_message(self, record: StepRecord, kind: str, counts: str) -> str:
+        weights = record.nonfinite_weights or ()
+        if self._weights_bad_since is None:
+            self._weights_bad_since = record.step
+        last = self._last_bad_gradient
+        if last is not None and last < self._weights_bad_since:
+            since = (
+                f"since step {last + 1}: the update of step {last}, whose gradient was "
+                "non-finite, was applied"
+            )
+            fix = f"fix what made step {last}'s gradient (its event says where)"
+        else:
+            since = f"since step {self._weights_bad_since} or earlier"
+            fix = "find the first non-finite step (grad/nan_count, grad/inf_count)"
+        shown = ", ".join(weights[:8]) + (
+            f" and {len(weights) - 8} more" if len(weights) > 8 else ""
+        )
+        return (
+            f"{kind} gradient because the weights are non-finite: {shown} "
+            f"({len(weights)} layer(s)) hold NaN/Inf {since}. Every forward and backward "
+            f"since is non-finite, whatever the batch: the run cannot recover by itself. "
+            f"{counts}. Try: stop, restore a checkpoint from before that step, {fix}, and keep "
+            "bad updates out of the weights: alerts={'nonfinite': {'action': 'raise'}}, "
+            "gradient clipping, or a GradScaler (it skips non-finite steps)."
+        )
+
+    @staticmethod
+    def _nonfinite_diagnosis(
+        record: StepRecord, origin: str | None, stage: Stage
+    ) -> tuple[str, str]:
+        """Where it arose, and what to try (the seed's fix column: an eps or a clamp on the
+        op that made it, a GradScaler under fp16)."""
+        fix = (
+            "an eps or a clamp where a log, sqrt or division meets 0 or a negative "
+            "(torch.log(x.clamp_min(1e-8)), torch.sqrt(x + 1e-8), x / (y + 1e-8)), "
+            "exp/pow overflow, and under fp16 AMP a GradScaler (or bf16)"
+        )
+        if stage == "weights":
+            return "", ""
+        if stage == "forward" and record.origin_note.startswith("the input batch"):
+            return (
+                "from the input batch: it already held NaN/Inf (forward pass)",
+                "check the data pipeline (missing values, a division in preprocessing): "
+                "torch.isfinite(batch).all() where the batch is made",
+            )
+        if stage == "forward":
+            made = f" at {origin}'s output" if record.origin_module else ""
+            return (
+                f"made in the forward pass{made} (the model output was already non-finite)",
+                f"look at {origin}'s forward: {fix}; and the input batch for NaN/Inf"
+                if record.origin_module
+                else f"the input batch for NaN/Inf and the forward numerics: {fix}",
+            )
+        if stage == "loss":
+            return (
+                "the gradient reaching the model output was already non-finite (loss)",
+                f"the loss produced it (log(0), division by zero, sqrt of 0, targets outside "
+                f"the loss's range): {fix}; prefer fused losses (cross_entropy on logits, "
+                "binary_cross_entropy_with_logits)",
+            )
+        return (
+            f"first at {origin} (backward; model output finite)",
+            f"look at the ops in {origin}'s backward: {fix}; then the learning rate (lower it, "
+            "or clip the gradient norm)",
+        )
+
     def nonfinite_origin(self, record: StepRecord, bad: list[str]) -> tuple[str | None, Stage]:
+        if record.nonfinite_weights:
+            return record.nonfinite_weights[0], "weights"
+        if record.origin_module_stage in ("loss", "forward") and record.origin_module is None:
+            return None, record.origin_module_stage  # type: ignore[return-value]
+        if record.origin_module is not None and record.origin_module_stage is not None:
+            return record.origin_module, record.origin_module_stage  # type: ignore[return-value]
         if record.output_finite is False:
             stage: Stage = "forward"
         elif record.output_grad_finite is False:
@@ -255,18 +339,44 @@ class AlertEngine:
 
         active = self._enabled("dead", idx) & finite
         runs = self._advance(self._dead_runs, idx, active, norms == 0.0)
+        live = finite & (norms > 0)
         for j in np.flatnonzero(active & (runs >= self._param("dead", "patience", idx))):
-            layer = record.layers[j]
-            events += self._emit(
-                record, "dead", layer, statistic="norm", value=float(norms[j]), threshold=0.0,
-                message=(
-                    f"gradient of {layer} has been exactly zero for {runs[j]} logged steps. "
-                    "Likely: dying ReLUs (try LeakyReLU/GELU or a lower learning rate) or an "
-                    "unintended freeze (a .detach(), torch.no_grad() or requires_grad=False "
-                    "upstream of this layer)."
-                ),
-            )  # fmt: skip
+            events += self._dead(record, int(j), int(runs[j]), live)
         return events + self._spike(record, idx, norms, finite)
+
+    def _dead(self, record: StepRecord, j: int, run: int, live: np.ndarray) -> list[AlertEvent]:
+        layer = record.layers[j]
+        # Where the flow stops: the deepest dead layer whose next layer still gets gradient.
+        after = record.layers[j + 1] if j + 1 < len(record.layers) and live[j + 1] else None
+        where = (
+            f" The flow stops here: {after}, right after it, still gets gradient, so look at "
+            f"what {layer} feeds (its activation) first."
+            if after
+            else ""
+        )
+        if self._saturating[self._depth[layer]]:
+            cause = (
+                "Likely: saturated tanh/sigmoid units — their derivative is exactly 0 in "
+                "float32 once |x| is large (tanh beyond ~9). Try: scaling or normalising the "
+                "inputs, a smaller initialisation, LayerNorm before the nonlinearity, gradient "
+                "clipping; or an unintended freeze (a .detach(), torch.no_grad() or "
+                "requires_grad=False upstream of this layer)."
+            )
+        else:
+            cause = (
+                "Likely: dying ReLUs — every unit's input is negative. Try: LeakyReLU/GELU, a "
+                "lower learning rate, and a bias initialisation that keeps units on (zero or "
+                "slightly positive; a large negative bias switches them off); or an unintended "
+                "freeze (a .detach(), torch.no_grad() or requires_grad=False upstream of this "
+                "layer)."
+            )
+        return self._emit(
+            record, "dead", layer, statistic="norm", value=0.0, threshold=0.0,
+            message=(
+                f"gradient of {layer} has been exactly zero for {run} logged steps.{where} "
+                f"{cause}"
+            ),
+        )  # fmt: skip
 
     def _param(self, rule: str, field: str, idx: np.ndarray) -> np.ndarray:
         """One rule field for every layer (per-layer overrides applied), at ``idx``."""
@@ -332,29 +442,125 @@ class AlertEngine:
         self._ema[idx[active]] = blended[active]
         return events
 
-    def _jump(self, record: StepRecord) -> list[AlertEvent]:
-        # RMS, not norm: a LayerNorm's 128 elements next to a Linear's 16,384 differ ~11x in
-        # norm from size alone; per element the flow of gradient is comparable.
+    def _comparable(self, record: StepRecord) -> dict[str, np.ndarray]:
+        """Rows (depth order) with a finite, non-zero gradient RMS, per kind of layer; layers
+        with row-sparse gradients (embeddings) are compared with nothing."""
         rms = record.column("rms")
-        flowing = np.flatnonzero(np.isfinite(rms) & (rms > 0))  # rows are in depth order
-        upper, lower = flowing[:-1], flowing[1:]
-        ratio = np.maximum(rms[upper] / rms[lower], rms[lower] / rms[upper])
-        idx = np.fromiter((self._depth[record.layers[j]] for j in lower), np.int64, len(lower))
-        limit = self._param("jump", "ratio", idx)
+        by_kind: dict[str, list[int]] = {}
+        for j in np.flatnonzero(np.isfinite(rms) & (rms > 0)):
+            kind = self._kinds[self._depth[record.layers[j]]]
+            if kind not in SPARSE_KINDS:
+                by_kind.setdefault(kind, []).append(int(j))
+        return {kind: np.array(rows) for kind, rows in by_kind.items() if len(rows) > 1}
+
+    def _jump(self, record: StepRecord) -> list[AlertEvent]:
+        """Where every layer of a kind on one side of a depth is ``ratio`` below every layer
+        of that kind on the other: an envelope, so that one layer that is small by nature
+        (a query projection at initialisation) next to normal ones is no break."""
+        rms = record.column("rms")
         events: list[AlertEvent] = []
-        for k in np.flatnonzero(self._enabled("jump", idx) & (ratio > limit)):
-            a, b = record.layers[upper[k]], record.layers[lower[k]]
-            events += self._emit(
-                record, "jump", b, statistic="rms_ratio", value=float(ratio[k]),
-                threshold=float(limit[k]),
-                message=(
-                    f"gradient RMS changes {ratio[k]:.3g}× between adjacent layers {a} "
-                    f"({rms[upper[k]]:.3g}) and {b} ({rms[lower[k]]:.3g}): gradient flow "
-                    "breaks here. Look for a saturating activation, a missing normalisation "
-                    "or residual path, or a scale mismatch between these layers."
-                ),
-            )  # fmt: skip
+        for kind, rows in self._comparable(record).items():
+            values = rms[rows]
+            above_max = np.maximum.accumulate(values)[:-1]  # layers nearer the input
+            above_min = np.minimum.accumulate(values)[:-1]
+            below_min = np.minimum.accumulate(values[::-1])[::-1][1:]  # nearer the loss
+            below_max = np.maximum.accumulate(values[::-1])[::-1][1:]
+            starved, flooded = below_min / above_max, above_min / below_max
+            upstream_weak = starved >= flooded  # else the side nearer the loss is the weak one
+            boundary = np.arange(len(rows) - 1)
+            weak = np.where(upstream_weak, boundary, boundary + 1)
+            idx = np.fromiter(
+                (self._depth[record.layers[j]] for j in rows[weak]), np.int64, len(weak)
+            )
+            ratio = np.maximum(starved, flooded)
+            limit = self._param("jump", "ratio", idx)
+            for k in np.flatnonzero(self._enabled("jump", idx) & (ratio > limit)):
+                up = bool(upstream_weak[k])
+                strong = k + 1 if up else k
+                a, b = record.layers[rows[weak[k]]], record.layers[rows[strong]]
+                low, high = (above_max[k], below_min[k]) if up else (below_max[k], above_min[k])
+                side, other = ("up to", "from") if up else ("from", "up to")
+                events += self._emit(
+                    record, "jump", a, statistic="rms_ratio", value=float(ratio[k]),
+                    threshold=float(limit[k]),
+                    message=(
+                        f"gradient flow breaks between {a} and {b}: every {kind} layer {side} "
+                        f"{a} has a gradient RMS of at most {low:.3g}, {ratio[k]:.3g}× below "
+                        f"every {kind} layer {other} {b} (at least {high:.3g}). {a} is the weak "
+                        "side. Look at what lies between them: a scale far from 1 (a tiny "
+                        "constant, a near-zero initialisation), a saturating activation, a "
+                        ".detach(), or a missing residual path or normalisation."
+                    ),
+                )  # fmt: skip
         return events
+
+    def _flow(self, record: StepRecord, broken: set[str | None]) -> list[AlertEvent]:
+        """The seed's profile, first layers over last, compared like with like: per *role* —
+        a kind of layer at one place in a repeated block (``blocks.#.attn.q``; every layer of
+        a plain stack) with at least 3 layers — the geometric-mean gradient RMS of its first
+        quarter over its last quarter; the model's ratio is the median role's. Query and key
+        projections, small by nature, are so compared only with each other."""
+        rule = self.rule("flow", None)
+        comparable = self._comparable(record)
+        if not rule.enabled or not comparable:
+            return []
+        rms = record.column("rms")
+        roles: dict[tuple[str, str], list[int]] = {}
+        for kind, kind_rows in comparable.items():
+            for j in kind_rows:
+                role = (kind, _DIGITS.sub("#", record.layers[j]))
+                roles.setdefault(role, []).append(int(j))
+        profiles = []  # (log ratio, kind, rows in depth order)
+        for (kind, _), role_rows in roles.items():
+            if len(role_rows) >= 3:
+                quarter = max(1, len(role_rows) // 4)
+                head, tail = rms[role_rows[:quarter]], rms[role_rows[-quarter:]]
+                profiles.append((np.log(head).mean() - np.log(tail).mean(), kind, role_rows))
+        if not profiles:
+            self._flow_run = 0
+            return []
+        profiles.sort(key=lambda profile: profile[0])
+        log_ratio, kind, role_rows = profiles[(len(profiles) - 1) // 2]  # the median role
+        rows = np.array(role_rows)
+        quarter = max(1, len(rows) // 4)
+        ratio = float(np.exp(log_ratio))
+        direction = -1 if ratio < 1 / rule.ratio else 1 if ratio > rule.ratio else 0
+        if direction == 0 or kind in broken:  # a break is the jump rule's finding
+            self._flow_run = 0
+            return []
+        same = self._flow_run * direction > 0
+        self._flow_run = self._flow_run + direction if same else direction
+        if abs(self._flow_run) < rule.patience:
+            return []
+        names = [record.layers[j] for j in rows]
+        layer, statistic = names[0], "flow_ratio"  # the starving (or flooded) end
+        first_names, last_names = ", ".join(names[:quarter]), ", ".join(names[-quarter:])
+        decades = abs(math.log10(ratio))
+        span = f"across {len(rows)} {kind} layers, {decades:.1f} decades"
+        if direction < 0:
+            message = (
+                f"gradient vanishes along depth: the first {kind} layers ({first_names}) get "
+                f"{ratio:.3g}× the gradient RMS of the last ones ({last_names}) — {span} lost "
+                f"gradually, for {abs(self._flow_run)} logged steps: the first layers barely "
+                "learn. Try: non-saturating activations (ReLU/GELU instead of sigmoid/tanh), "
+                "residual connections, normalisation (LayerNorm/BatchNorm), and a "
+                "variance-preserving initialisation (Kaiming for ReLU, Xavier for tanh)."
+            )
+        else:
+            history = list(self._total_norms)
+            clip = float(np.percentile(history, 50)) if history else 1.0
+            message = (
+                f"gradient explodes along depth: the first {kind} layers ({first_names}) get "
+                f"{ratio:.3g}× the gradient RMS of the last ones ({last_names}) — {span} "
+                f"gained, for {abs(self._flow_run)} logged steps. Try: clipping, "
+                f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip:.2g}) (the "
+                "median total norm so far), a lower learning rate, normalisation "
+                "(LayerNorm/BatchNorm), or a smaller initialisation."
+            )
+        return self._emit(
+            record, "flow", layer, statistic=statistic, value=ratio,
+            threshold=1 / rule.ratio if direction < 0 else rule.ratio, message=message,
+        )  # fmt: skip
 
     def _amp(self, record: StepRecord) -> list[AlertEvent]:
         rule = self.rule("amp", None)
@@ -384,24 +590,31 @@ class AlertEngine:
 
 
 _SHOWN_LAYERS = 8
+_DIGITS = re.compile(r"\d+")
 
 
-def _merged(group: list[AlertEvent]) -> AlertEvent:
-    """The events of one rule at one step as one, led by the worst layer: the furthest past
-    its threshold (per-layer overrides may set different ones)."""
+def _merged(group: list[AlertEvent], depth: dict[str, int]) -> AlertEvent:
+    """The events of one rule at one step as one, led by the culprit: for ``dead``, the
+    deepest dead layer whose next layer still gets gradient (where the flow stops); for
+    ``jump``, the weak side of the largest break; otherwise the layer furthest past its
+    threshold (per-layer overrides may set different ones)."""
 
     def past_threshold(event: AlertEvent) -> float:
         return event.value / event.threshold if event.threshold else event.value
 
-    low_is_bad = group[0].rule in ("vanishing", "dead")
-    worst = (min if low_is_bad else max)(group, key=past_threshold)
+    if group[0].rule == "dead":
+        stops = [e for e in group if "The flow stops here" in e.message] or group
+        worst = max(stops, key=lambda e: depth.get(e.layer or "", -1))
+    else:
+        worst = (min if group[0].rule == "vanishing" else max)(group, key=past_threshold)
     layers = tuple(e.layer for e in group if e.layer is not None)
     others = [name for name in layers if name != worst.layer]
     listed = ", ".join(others[:_SHOWN_LAYERS])
     if len(others) > _SHOWN_LAYERS:
         listed += f" and {len(others) - _SHOWN_LAYERS} more"
+    lead = "the culprit" if group[0].rule in ("dead", "jump") else "the worst"
     message = (
-        f"{worst.rule} in {len(layers)} layers at once; the worst: {worst.message} "
+        f"{worst.rule} in {len(layers)} layers at once; {lead}: {worst.message} "
         f"The others: {listed}."
     )
     return worst.model_copy(update={"layers": layers, "message": message})

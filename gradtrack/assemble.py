@@ -40,6 +40,8 @@ class PendingStep:
     activation_order: list[int] | None = None  # activation modules, as their grads arrived
     # Sinks write its per-layer metrics (``layer_every``), and max/mean |g| were computed.
     per_layer: bool = True
+    # A non-finite step: `StepRecord` fields from `gradtrack.origin` (where it was made).
+    origin: dict[str, Any] | None = None
 
 
 @dataclass
@@ -179,6 +181,7 @@ class Assembler:
             per_layer=pending.per_layer,
             abs_stats=pending.per_layer,
             dropped_steps=0 if self.drops is None else self.drops.total,
+            **(pending.origin or {}),
             **self._part("step evidence", lambda: _evidence(flags[:5]), _NONE),
             **self._part(
                 "activation gradients",

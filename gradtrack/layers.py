@@ -9,12 +9,13 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
+from gradtrack.record import metric_key
 
 ROOT_LAYER_NAME = "root"
 
@@ -87,6 +88,7 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
         )
 
     candidates: list[Layer] = []
+    root_own: set[int] = set()
     for module_name, module, own in owners:
         if config.module_types and not isinstance(module, config.module_types):
             continue
@@ -101,6 +103,8 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
                     tuple(p for _, p in own),
                 )
             )
+            if module is model:
+                root_own.add(id(candidates[-1]))
 
     if not candidates:
         kinds = ", ".join(t.__name__ for t in config.module_types)
@@ -119,7 +123,52 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
             f"include={list(config.include)} and exclude={list(config.exclude)} leave no layer "
             f"to watch; layers: {_preview(names)}"
         )
-    return selected
+    # The root module's own parameters are named `ROOT_LAYER_NAME`, not by a module path.
+    exact = [id(layer) not in root_own for layer in selected]
+    distinct = distinct_names([layer.name for layer in selected], exact)
+    return [replace(layer, name=name) for layer, name in zip(selected, distinct)]
+
+
+def distinct_names(names: Sequence[str], exact: Sequence[bool] | None = None) -> list[str]:
+    """``names`` made distinct as metric keys, so no layer's series overwrites another's.
+
+    Two names collide when `metric_key` maps them to one key (``task@a`` and ``task_a``; the
+    root module's own parameters, named ``root``, and a child module named ``root``). Of a
+    colliding set, a name that is an ``exact`` module path (default: all are) and needs no
+    mapping keeps its key; the others, in model order, get the first free suffix ``-2``,
+    ``-3``, … (the root's own ``root`` is not a module path: a child named ``root`` keeps it).
+
+    >>> distinct_names(["heads.task@a", "heads.task_a"])
+    ['heads.task@a-2', 'heads.task_a']
+    >>> distinct_names(["root", "root"], exact=[False, True])  # the root's own, a child
+    ['root-2', 'root']
+    """
+    keys = [metric_key("grad_norm", name) for name in names]
+    if len(set(keys)) == len(keys):
+        return list(names)
+    exact = [True] * len(names) if exact is None else exact
+    # Who keeps a contested key: an exact, key-safe module path first, then model order.
+    order = sorted(
+        range(len(names)),
+        key=lambda i: (not (exact[i] and keys[i] == f"grad_norm/{names[i]}"), i),
+    )
+    taken: dict[str, int] = {}
+    result = list(names)
+    for i in order:
+        name, suffix = names[i], 1
+        while keys[i] in taken:
+            suffix += 1
+            name = f"{names[i]}-{suffix}"
+            keys[i] = metric_key("grad_norm", name)
+            if suffix > len(names) + 1:  # a key cut at 250 characters: no suffix survives
+                other = names[taken[metric_key("grad_norm", names[i])]]
+                raise GradtrackError(
+                    f"layers {other!r} and {names[i]!r} map to one metric key and no suffix "
+                    "can tell them apart (keys are cut at 250 characters); exclude one of them"
+                )
+        taken[keys[i]] = i
+        result[i] = name
+    return result
 
 
 def activation_modules(model: nn.Module, config: GradtrackConfig) -> list[tuple[str, nn.Module]]:
@@ -136,7 +185,8 @@ def activation_modules(model: nn.Module, config: GradtrackConfig) -> list[tuple[
             continue
         if not _matches(name, config.exclude):
             leaves.append((name, module))
-    return leaves
+    distinct = distinct_names([name for name, _ in leaves])
+    return [(name, module) for name, (_, module) in zip(distinct, leaves)]
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -154,3 +204,35 @@ def _check_patterns(option: str, patterns: Sequence[str], names: list[str]) -> N
 def _preview(names: list[str], limit: int = 12) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# Modules whose gradient is row-sparse (only the rows a batch looked up): its RMS says how many
+# rows were used, not how well gradient flows, so it is never compared with other layers'.
+SPARSE_KINDS = frozenset({"Embedding", "EmbeddingBag"})
+RECURRENT_KINDS = frozenset({"RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"})
+_SATURATING = frozenset({"Tanh", "Sigmoid", "Hardtanh", "Softsign", "Hardsigmoid"})
+_PIECEWISE_LINEAR = frozenset({"ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "Threshold"})
+
+
+def layer_kinds(layers: Sequence[Layer], granularity: str = "layer") -> tuple[str, ...]:
+    """What rules compare like with like by: the module type, and per parameter its role.
+
+    >>> layer_kinds(discover_layers(nn.Sequential(nn.Linear(2, 2)), GradtrackConfig()))
+    ('Linear',)
+    """
+    if granularity == "parameter":
+        return tuple(
+            f"{layer.module_type.__name__}.{layer.name.rsplit('.', 1)[-1]}" for layer in layers
+        )
+    return tuple(layer.module_type.__name__ for layer in layers)
+
+
+def saturating_layers(model: nn.Module, layers: Sequence[Layer]) -> tuple[bool, ...]:
+    """Per layer: whether exactly-zero gradients there more likely mean saturated tanh/sigmoid
+    units than dead ReLUs — a recurrent layer, or a model whose activation modules are all
+    saturating ones (functional activations are invisible: then the ReLU reading stays)."""
+    types = {type(module).__name__ for module in model.modules()}
+    saturating_model = bool(types & _SATURATING) and not types & _PIECEWISE_LINEAR
+    return tuple(
+        saturating_model or layer.module_type.__name__ in RECURRENT_KINDS for layer in layers
+    )

@@ -71,6 +71,13 @@ class StepRecord:
     # whose output gradient was the first non-finite one in backward.
     activation_grad_norms: Mapping[str, float] = field(default_factory=dict)
     activation_origin: str | None = None
+    # At a non-finite step (where its verdict is read at the step, see `gradtrack.origin`):
+    # the module a replay found made it, in which pass, and what the replay could not see;
+    # and the layers whose weights (not gradients) were already non-finite.
+    origin_module: str | None = None
+    origin_module_stage: str | None = None
+    origin_note: str = ""
+    nonfinite_weights: tuple[str, ...] | None = None
     model_name: str | None = None  # set when several models share one run
     # torch.distributed with replicated gradients (DDP): ranks whose local gradient (before
     # the all-reduce) was non-finite; with ``gather_ranks``, [ranks, layers] local norms.

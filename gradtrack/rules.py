@@ -71,10 +71,21 @@ class DeadRule(Rule):
 
 
 class JumpRule(Rule):
-    """Gradient RMS (norm per √element, so layer size cancels) ratio between layers adjacent
-    in depth above ``ratio``: gradient flow breaks there."""
+    """Gradient flow breaks between two depths: every layer of a kind (module type) on one
+    side has a gradient RMS (norm per √element) ``ratio`` times below every layer of that kind
+    on the other side. Like is compared with like — Linear with Linear, LayerNorm with
+    LayerNorm — and embeddings (row-sparse gradients) are left out."""
 
     ratio: PositiveFloat = 100.0
+
+
+class FlowRule(Rule):
+    """Gradual vanishing or exploding along depth: the gradient RMS of the first layers of
+    the model's most common kind over its last layers' below ``1/ratio`` (vanishing) or above
+    ``ratio`` (exploding), for ``patience`` logged steps in a row."""
+
+    ratio: PositiveFloat = 1e3
+    patience: PositiveInt = 3
 
 
 class AmpRule(Rule):
@@ -92,6 +103,7 @@ RULE_TYPES: dict[str, type[Rule]] = {
     "spike": SpikeRule,
     "dead": DeadRule,
     "jump": JumpRule,
+    "flow": FlowRule,
     "amp": AmpRule,
 }
 
@@ -112,6 +124,7 @@ class AlertRules(BaseModel):
     spike: SpikeRule = SpikeRule()
     dead: DeadRule = DeadRule()
     jump: JumpRule = JumpRule()
+    flow: FlowRule = FlowRule()
     amp: AmpRule = AmpRule()
     layers: dict[str, dict[str, dict[str, Any]]] = Field(
         default_factory=dict, description="{glob: {rule: {field: value}}}, first match wins"

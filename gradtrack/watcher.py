@@ -28,7 +28,14 @@ from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_gr
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.latch import BadStepLatch
-from gradtrack.layers import activation_modules, discover_layers, unwrap_model
+from gradtrack.layers import (
+    activation_modules,
+    discover_layers,
+    layer_kinds,
+    saturating_layers,
+    unwrap_model,
+)
+from gradtrack.origin import OriginProbe, nonfinite_weight_layers
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, Outcome, Worker
 
@@ -92,7 +99,13 @@ class Watcher:
         )
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
-        self.alert_engine = AlertEngine(config.alerts, self.collector.layer_names, rank)
+        self.alert_engine = AlertEngine(
+            config.alerts,
+            self.collector.layer_names,
+            rank,
+            kinds=layer_kinds(self.layers, config.granularity),
+            saturating=saturating_layers(inner, self.layers),
+        )
         # A rule that may raise is evaluated here, in the training thread, before the
         # optimizer applies the step; otherwise the worker evaluates every rule.
         self._raise_on_alert = "raise" in config.alerts.actions()
@@ -130,6 +143,7 @@ class Watcher:
         self._order_probe: BackwardOrderProbe | None = None
         self._activation_probe: ActivationProbe | None = None
         self._output_probe: OutputProbe | None = None
+        self._origin_probe: OriginProbe | None = None
         self._local_probe: LocalNormProbe | None = None
         self._warned_no_activations = False
         self._steps = steps
@@ -167,6 +181,7 @@ class Watcher:
         else:
             self._output_probe = OutputProbe(model, self._next_step_is_due)
             self._handles.append(self._output_probe.handle)
+            self._origin_probe = OriginProbe(unwrap_model(model))
         if output_modules:
             self._activation_probe = ActivationProbe(output_modules, self._next_step_is_due)
             self._handles.extend(self._activation_probe.handles)
@@ -184,6 +199,8 @@ class Watcher:
             self._order_probe = None
         if self._scaler_tap is not None:
             self._scaler_tap.remove()
+        if self._origin_probe is not None:
+            self._origin_probe.remove()
 
     # -- public state -------------------------------------------------------------------
     @property
@@ -264,11 +281,18 @@ class Watcher:
             self._latch_if_bad(guard, step)
         bad = verdict is False
         first_bad = bad and self._first_bad_due(step)
+        origin = None
+        if bad and (logged or with_samples or first_bad or self._raise_on_alert):
+            origin = self._origin(replay=first_bad or self._raise_on_alert)
+        if self._origin_probe is not None:
+            self._origin_probe.forget()  # the step's inputs and output gradient
         if not (logged or with_samples or first_bad or (bad and self._raise_on_alert)):
             return  # the common case: one pass over the gradients, nothing handed off
         due = logged or with_samples
         per_layer = (due and self._per_layer_due(step)) or first_bad
         pending = self._collect(guard, step, with_samples, backward_order, per_layer, due)
+        if pending is not None:
+            pending.origin = origin
         if not self._raise_on_alert:
             if pending is not None:
                 self.mailbox.put_step(pending)
@@ -284,6 +308,27 @@ class Watcher:
                 error = GradientAlertError(AlertEvent.model_validate_json(shared))
         if error is not None:
             raise error
+
+    def _origin(self, replay: bool) -> dict[str, Any] | None:
+        """A non-finite step, before its update: are the weights already non-finite (an
+        earlier bad update was applied)? If not, and ``replay``, which module made it."""
+        try:
+            collector = self.collector
+            weights = nonfinite_weight_layers(
+                collector.layer_names, collector.params, collector.tensor_layer
+            )
+            fields: dict[str, Any] = {"nonfinite_weights": weights}
+            if not weights and replay and self._origin_probe is not None:
+                found = self._origin_probe.locate()
+                fields.update(
+                    origin_module=found.module,
+                    origin_module_stage=found.stage,
+                    origin_note=found.note,
+                )
+            return fields
+        except Exception as exc:  # watching must never crash training
+            self._collect_failed(self.step - 1, exc)
+            return None
 
     def _verdict(self, guard: Guard) -> bool | None:
         """Whether the step's gradients are finite, where that is known now without waiting

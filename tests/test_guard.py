@@ -46,7 +46,7 @@ def test_nan_at_an_unlogged_step_is_reported_for_that_step_with_its_layers() -> 
     assert not raised
     nonfinite = only(sink.events, "nonfinite")
     assert nonfinite[0].step == 13  # not 20, the next logged step
-    assert nonfinite[0].layer == "2" and nonfinite[0].layers == ("0", "2")
+    assert nonfinite[0].layer == "3" and nonfinite[0].layers == ("0", "2")  # 3: Poison
     assert all(e.step == 13 or e.step % 10 == 0 for e in sink.events)
     # The step's per-layer metrics were written although 13 is not a logged step (10, 20).
     steps = [r.step for r in sink.records]

@@ -64,3 +64,42 @@ def test_selection_that_leaves_nothing_is_an_error() -> None:
         names(include=["head"], exclude=["h*"])
     with pytest.raises(GradtrackError, match="no module that owns parameters is of type Conv2d"):
         names(module_types=[nn.Conv2d])
+
+
+class Heads(nn.Module):
+    """ModuleDict keys that one metric key would merge, and a child named like the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(1))  # the root's own parameter: layer "root"
+        self.root = nn.Linear(4, 4)
+        self.heads = nn.ModuleDict({"task@a": nn.Linear(4, 1), "task_a": nn.Linear(4, 1)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.root(x) * self.gain
+        return self.heads["task@a"](hidden) + 2 * self.heads["task_a"](hidden)
+
+
+def test_layers_that_would_share_a_metric_key_get_distinct_keys() -> None:
+    import gradtrack
+    from gradtrack.record import metric_key, scalar_metrics
+    from gradtrack.sinks import MemorySink
+
+    model = Heads()
+    layers = discover_layers(model, GradtrackConfig())
+    # The exact, key-safe module path keeps its key; the other gets the first free suffix.
+    assert [layer.name for layer in layers] == ["root-2", "root", "heads.task@a-2", "heads.task_a"]
+    assert layers[0].params == (model.gain,) and layers[1].params[0] is model.root.weight
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1):
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+    metrics = scalar_metrics(sink.records[0])
+    keys = [metric_key("grad_norm", layer.name) for layer in layers]
+    assert len(set(keys)) == 4 and all(key in metrics for key in keys)
+    # Each key carries its own layer's gradient: task_a's is twice task@a's.
+    assert metrics["grad_norm/heads.task_a"] == pytest.approx(
+        2 * metrics["grad_norm/heads.task_a-2"], rel=1e-6
+    )
+    assert metrics["grad_norm/root-2"] == pytest.approx(model.gain.grad.abs().item(), rel=1e-6)

@@ -122,7 +122,7 @@ def test_a_rule_tripping_in_every_layer_is_one_alert_per_step(offline: Path) -> 
     vanishing = {"threshold": 1e-2, "patience": 1, "cooldown_steps": 0}
     with gradtrack.watch(
         model, backend=["wandb", memory], log_every=1, wandb=wandb_options(offline),
-        alerts={"vanishing": vanishing, "jump": {"enabled": False}},
+        alerts={"vanishing": vanishing, "jump": {"enabled": False}, "flow": {"enabled": False}},
     ):  # fmt: skip
         for _ in range(3):
             model.zero_grad()

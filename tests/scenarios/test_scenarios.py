@@ -1,0 +1,162 @@
+"""The seed's troubleshooting table, reproduced: every classic failure gives the right rule,
+at the right step, naming the culprit with the fix that fits; healthy models stay quiet.
+
+All with gradtrack's default configuration (``log_every=10``, default rules).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.record import metric_key, scalar_metrics
+from tests.conftest import SmallCNN
+from tests.scenarios import models as m
+from tests.test_layers import Heads
+
+
+def one(events: list[AlertEvent]) -> AlertEvent:
+    assert len(events) >= 1, "expected an event"
+    return events[0]
+
+
+# -- NaN / Inf ---------------------------------------------------------------------------------
+def faulty_blocks(fault: str, at: set[int]) -> tuple[m.Blocks, m.Batch]:
+    torch.manual_seed(0)
+    model = m.Blocks()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model.blocks[3].fault = fault if step in at else None
+        return m.regression_batch(16)(step)
+
+    return model, batch
+
+
+def test_nan_made_in_a_blocks_forward_names_that_block() -> None:
+    model, batch = faulty_blocks("forward_log", at={13})
+    run = m.train(model, batch, m.mse, 15)
+    event = one(run.events("nonfinite"))
+    assert (event.step, event.origin_stage, event.origin_layer) == (13, "forward", "blocks.3")
+    assert event.message.startswith("NaN gradient made in the forward pass at blocks.3's output")
+    assert "clamp" in event.message and "eps" in event.message
+
+
+def test_nan_made_by_an_op_in_a_blocks_backward_names_that_block() -> None:
+    model, batch = faulty_blocks("backward_sqrt", at={13})
+    run = m.train(model, batch, m.mse, 15)
+    event = one(run.events("nonfinite"))
+    # Not blocks.2.lin, the first parameterised layer below: the op is blocks.3's own.
+    assert (event.step, event.origin_stage, event.origin_layer) == (13, "backward", "blocks.3")
+    assert "blocks.3's backward" in event.message and "sqrt" in event.message
+
+
+def test_after_a_bad_update_the_weights_are_named_non_finite_since_that_step() -> None:
+    model, batch = faulty_blocks("backward_sqrt", at={13})
+    run = m.train(model, batch, m.mse, 30)
+    first, *later = run.events("nonfinite")
+    assert (first.step, first.origin_layer) == (13, "blocks.3")
+    event = one(later)
+    assert (event.step, event.origin_stage) == (20, "weights")  # the next logged step
+    assert event.origin_layer == "stem" and "blocks.3.lin" in event.layers
+    assert "the weights are non-finite: stem" in event.message
+    assert "since step 14: the update of step 13" in event.message
+    assert "input batch" not in event.message
+
+
+def test_nan_from_log_of_zero_in_the_loss_says_eps_or_clamp() -> None:
+    torch.manual_seed(0)
+    model = m.SaturatingClassifier()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model.sharp = step == 13
+        return m.binary_batch()(step)
+
+    run = m.train(model, batch, m.manual_bce, 15)
+    event = one(run.events("nonfinite"))
+    assert (event.step, event.origin_stage) == (13, "loss")
+    assert "eps or a clamp" in event.message and "binary_cross_entropy_with_logits" in event.message
+
+
+# -- flow along depth ---------------------------------------------------------------------------
+def test_gradual_vanishing_through_eight_sigmoids_trips_flow() -> None:
+    torch.manual_seed(0)
+    run = m.train(m.sigmoid_mlp(), m.regression_batch(32), m.mse, 30, optimizer="sgd", lr=0.01)
+    event = one(run.events("flow"))
+    assert (event.step, event.layer, event.severity) == (20, "0", "warning")  # patience 3
+    assert event.value < 1e-3 and event.message.startswith("gradient vanishes along depth")
+    for fix in ("ReLU/GELU", "residual", "normalisation", "initialisation"):
+        assert fix in event.message
+    assert not run.events("jump")  # gradual: no single break
+
+
+def test_dead_relu_leads_with_the_layer_whose_bias_killed_it() -> None:
+    torch.manual_seed(0)
+    model = m.relu_mlp(5)
+    with torch.no_grad():
+        model[6].bias.fill_(-10.0)  # every unit of layer 6 off: 0, 2, 4 and 6 get no gradient
+    run = m.train(model, m.regression_batch(32), m.mse, 100)
+    event = one(run.events("dead"))
+    assert (event.step, event.layer, event.layers) == (90, "6", ("0", "2", "4", "6"))
+    assert "The flow stops here: 8" in event.message
+    for fix in ("LeakyReLU", "lower learning rate", "bias initialisation"):
+        assert fix in event.message
+
+
+def test_bottleneck_jump_names_the_weak_layer() -> None:
+    torch.manual_seed(0)
+    run = m.train(m.bottleneck_mlp(), m.regression_batch(32), m.mse, 5)
+    event = one(run.events("jump"))
+    assert (event.step, event.layer) == (0, "4")  # the scaled layer, not the deeper 7
+    assert event.value > 1e5 and "4 is the weak side" in event.message
+
+
+def test_saturated_tanh_rnn_gets_the_saturation_hint_not_the_relu_one() -> None:
+    torch.manual_seed(0)
+    run = m.train(m.SaturatedRNN(), m.sequence_batch(), m.mse, 100)
+    event = one(run.events("dead"))
+    assert (event.step, event.layer) == (90, "rnn")
+    assert "saturated tanh/sigmoid" in event.message and "ReLU" not in event.message
+
+
+def test_layers_one_key_would_merge_keep_their_own_series() -> None:
+    torch.manual_seed(0)
+    run = m.train(Heads(), m.regression_batch(4), m.mse, 1)
+    metrics = scalar_metrics(run.sink.records[0])
+    layers = run.watcher.layer_names
+    assert layers == ("root-2", "root", "heads.task@a-2", "heads.task_a")
+    assert all(metric_key("grad_norm", name) in metrics for name in layers)
+
+
+# -- healthy controls ---------------------------------------------------------------------------
+CONTROLS = {
+    "cnn": lambda: m.train(SmallCNN(), m.image_batch(), m.cross_entropy, 150),
+    "pre_ln_transformer": lambda: m.train(
+        m.PreLNTransformer(), m.token_batch(64), m.next_token_loss, 150
+    ),
+    "gpt2_tied_embeddings": lambda: m.train(
+        m.GPT2Like(), m.token_batch(96), m.next_token_loss, 150, lr=3e-4
+    ),
+    "bert_post_ln": lambda: m.train(m.BertLike(), m.parity_batch(), m.cross_entropy, 150),
+    "lstm": lambda: m.train(m.LSTMRegressor(), m.sequence_batch(), m.mse, 150),
+    "hf_gpt2": lambda: m.train(m.hf_gpt2(), m.token_batch(96), m.next_token_loss, 150, lr=3e-4),
+    "hf_bert": lambda: m.train(m.hf_bert(), m.parity_batch(), m.cross_entropy, 150, lr=3e-4),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_healthy_models_raise_no_warning_or_error_in_150_steps(name: str) -> None:
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    run = CONTROLS[name]()
+    assert run.losses[-1] < run.losses[0]  # it trains
+    assert [r.step for r in run.sink.records][-1] == 140
+    assert run.loud() == []
+
+
+def test_gpt2_control_ties_its_embedding() -> None:
+    model = m.GPT2Like()
+    assert model.lm_head.weight is model.wte.weight
+    assert isinstance(model.wte, nn.Embedding)

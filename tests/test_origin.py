@@ -1,0 +1,73 @@
+"""The replay that names the module making a NaN: it finds it, and changes nothing of the
+training — buffers (BatchNorm statistics), the RNG, gradients — that it replays."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.sinks import MemorySink
+from tests.test_alerts import only
+
+
+class LogWhen(nn.Module):
+    """log of its input at the steps it is switched on: NaN in the forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x) if self.on else x
+
+
+def batchnorm_dropout_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), LogWhen(), nn.Linear(16, 1)
+    )
+
+
+def state(model: nn.Module) -> list[torch.Tensor]:
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    buffers = [b.clone() for b in model.buffers()]
+    return [*grads, *buffers, torch.get_rng_state()]
+
+
+def test_replay_names_the_module_and_leaves_buffers_rng_and_grads_untouched() -> None:
+    model = batchnorm_dropout_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    before: list[list[torch.Tensor]] = []
+    after: list[list[torch.Tensor]] = []
+    optimizer.register_step_pre_hook(lambda *_: before.append(state(model)))  # before gradtrack's
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer):
+        optimizer.register_step_pre_hook(lambda *_: after.append(state(model)))  # after it
+        for step in range(6):
+            model[3].on = step == 3
+            optimizer.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            optimizer.step()
+    (event,) = only(sink.events, "nonfinite")
+    assert (event.step, event.origin_stage, event.origin_layer) == (3, "forward", "3")
+    assert "forward pass at 3's output" in event.message
+    for step, (was, now) in enumerate(zip(before, after)):
+        assert len(was) == len(now)
+        for a, b in zip(was, now):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), step  # bit for bit
+
+
+def test_a_gradient_the_model_did_not_make_is_not_pinned_on_a_module() -> None:
+    """NaN written into ``.grad`` after backward: the replay stays finite and says so; the
+    event falls back to the non-finite layer nearest the loss."""
+    model = batchnorm_dropout_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1):
+        model(torch.randn(32, 8)).pow(2).mean().backward()
+        model[0].weight.grad[0, 0] = float("nan")
+        optimizer.step()
+    (event,) = only(sink.events, "nonfinite")
+    assert (event.origin_stage, event.origin_layer) == ("backward", "0")
+    assert "The replay's backward stayed finite: the model's own forward" in event.message
