@@ -10,6 +10,7 @@ import difflib
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -383,3 +384,38 @@ def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
         else:
             lines.append(f"  {field} = {item['input']!r} (from {where}): {item['msg']}")
     return "\n".join(lines)
+
+
+_SECRET_NAME_PARTS = ("password", "passwd", "token", "secret", "key")
+_URI_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/?#@\s]*)@")
+
+
+def redacted_config(config: GradtrackConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The config as JSON-ready data with no credential in it, for trackers and logs.
+
+    A field whose name says it holds a secret is dropped (not masked: even its length would
+    leak), and the userinfo of every URI is replaced by ``***`` (``https://***@host``).
+    """
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+    redacted = _redact(data)
+    assert isinstance(redacted, dict)
+    return redacted
+
+
+def _redact(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {
+            key: _redact(item)
+            for key, item in value.items()
+            if not any(part in str(key).lower() for part in _SECRET_NAME_PARTS)
+        }
+    if isinstance(value, (list, tuple)):
+        return [_redact(item) for item in value]
+    if isinstance(value, str):
+        return redact_uri(value)
+    return value
+
+
+def redact_uri(text: str) -> str:
+    """``text`` with the userinfo of every URI in it replaced by ``***``."""
+    return _URI_USERINFO.sub(r"\g<scheme>***@", text)
