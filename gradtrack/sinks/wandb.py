@@ -5,10 +5,11 @@ row moves that number, so gradtrack commits rows only in a run it started and no
 logs to. In any other run each gradtrack step rides in one of the user's rows, staged with
 ``commit=False`` into the open row while that row holds no gradtrack step yet; a placement
 thread waits for the user's next row. Charts use ``gradtrack/step`` (``define_metric``), so a
-step that rides a later row is still drawn at its own step. A user row can carry one
-gradtrack step: when gradtrack has more steps than the user has rows, the oldest waiting
-steps beyond ``PENDING_LIMIT`` are dropped and counted in the ``gradtrack/coalesced``
-summary value (see the README's W&B section).
+step that rides a later row is still drawn at its own step. A user row carries one
+gradtrack step; steps still waiting when the run finishes (or the interpreter exits) get
+rows of their own then, after all of the user's rows, when nobody can log any more. Beyond
+``PENDING_LIMIT`` waiting steps the oldest are dropped and counted in the
+``gradtrack/coalesced`` summary value (see the README's W&B section).
 
 wandb is imported only when the first step is written; a run already active is reused.
 """
@@ -37,10 +38,11 @@ if TYPE_CHECKING:
 HIST_FAMILY = "grad_hist"
 LAYERS_CONFIG_KEY = "gradtrack_layers"  # layer names in depth order, for readers
 PROFILE_FAMILY = "grad_profile"
-# Steps waiting for a user row. Beyond this the oldest are dropped (and counted): a user who
-# logs less often than gradtrack would otherwise see gradtrack's charts fall ever further
-# behind training. Twice the default worker batch, so one late batch fits whole.
-PENDING_LIMIT = 64
+# Steps waiting for a user row to ride. They keep their order (charts draw them at their own
+# gradtrack/step either way), and those still waiting when the run finishes get rows of their
+# own then. Beyond this many the oldest are dropped and counted: a user who logs less often
+# than gradtrack would otherwise see its charts fall ever further behind training.
+PENDING_LIMIT = 1024
 POLL_S = 0.002  # how often the placement thread looks for the user's next row
 PLACER_JOIN_S = 5.0
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import gradtrack
 from gradtrack.sinks import MemorySink
+from gradtrack.sinks import wandb as wandb_sink
 from tests.sinks.wandb_records import history, read_records, run_dirs, summary
 
 wandb = pytest.importorskip("wandb")
@@ -96,8 +97,33 @@ def test_a_loop_at_full_speed_never_loses_a_user_row(offline: Path, user_steps: 
     assert bool(left_out) == (coalesced > 0)
 
 
-def test_steps_the_user_has_no_rows_for_are_counted_not_hidden(offline: Path) -> None:
-    """The user logs every 10th step, gradtrack every step: one gradtrack step per user row."""
+def test_steps_the_user_has_no_rows_for_wait_for_the_finish(offline: Path) -> None:
+    """The user logs every 10th step, gradtrack every step: one gradtrack step per user row,
+    the rest in order in rows of gradtrack's own once the user finishes the run."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    run = wandb.init(project="gradtrack-tests")
+    with gradtrack.watch(model, backend="wandb", log_every=1) as watcher:
+        for step in range(STEPS):
+            backward(model)
+            if step % 10 == 9:
+                watcher.flush()
+                run.log({"loss": float(step)}, step=step)
+    run.finish()
+
+    rows, run_summary = read_back(offline)
+    user_rows = [row for row in rows if "loss" in row]
+    assert [row["_step"] for row in user_rows] == list(range(9, STEPS, 10))
+    assert rows[-1]["_step"] > user_rows[-1]["_step"]  # gradtrack's own rows came last
+    assert all("gradtrack/step" in row for row in rows[rows.index(user_rows[-1]) + 1 :])
+    ours = [row["gradtrack/step"] for row in rows if "gradtrack/step" in row]
+    assert ours == list(range(STEPS))
+    assert "gradtrack/coalesced" not in run_summary
+
+
+def test_steps_beyond_the_waiting_limit_are_counted_not_hidden(
+    offline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wandb_sink, "PENDING_LIMIT", 8)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     run = wandb.init(project="gradtrack-tests")
     with pytest.warns(RuntimeWarning, match="steps found no W&B row of yours"):
