@@ -73,6 +73,29 @@ def _order_exit_hook() -> None:
     atexit.register(_close_watchers_before_wandb_exits)
 
 
+_reorders_at_shutdown = False
+
+
+def _register_exit_hooks() -> None:
+    """Order our exit hook now, and once more when the interpreter starts shutting down.
+
+    A run started after the last sink call (``gradtrack.watch`` first, ``wandb.init`` later,
+    a loop shorter than the first hand-off) registers W&B's hooks after ours. The threading
+    module calls its own exit hooks before any atexit hook (``concurrent.futures`` relies
+    on it), so reordering from there puts ours first whatever started when.
+    """
+    global _reorders_at_shutdown
+    _order_exit_hook()
+    register = getattr(threading, "_register_atexit", None)
+    if register is None or _reorders_at_shutdown:
+        return
+    try:
+        register(_order_exit_hook)
+        _reorders_at_shutdown = True
+    except RuntimeError:  # already shutting down: the atexit order is what it is
+        pass
+
+
 class WandbSink:
     """Logs every step to W&B: metrics, histograms, a gradient-flow profile and alerts.
 
@@ -109,7 +132,7 @@ class WandbSink:
         self.coalesced = 0  # steps dropped for want of a user row
         self._coalesced_published = 0
         self._warned_coalesced = False
-        _order_exit_hook()
+        _register_exit_hooks()
 
     # -- run lifecycle ---------------------------------------------------------------------
     @property
