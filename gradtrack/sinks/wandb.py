@@ -59,7 +59,7 @@ def _close_watchers_before_wandb_exits() -> None:
 
     close_open_watchers()
     for sink in list(_AWAITING_RUN_END):
-        sink._on_run_end()
+        sink._on_finish()
 
 
 def _order_exit_hook() -> None:
@@ -296,7 +296,7 @@ class WandbSink:
             hooks.append(TeardownHook(call=self._on_finish, stage=TeardownStage.EARLY))
 
     def _on_finish(self) -> None:
-        # Called inside the user's finish(): a failure here must not break it.
+        # Called inside the user's finish() or at exit: a failure here must not break it.
         try:
             self._on_run_end()
         except Exception as error:
