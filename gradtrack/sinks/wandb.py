@@ -43,7 +43,11 @@ PROFILE_FAMILY = "grad_profile"
 # own then. Beyond this many the oldest are dropped and counted: a user who logs less often
 # than gradtrack would otherwise see its charts fall ever further behind training.
 PENDING_LIMIT = 1024
-POLL_S = 0.002  # how often the placement thread looks for the user's next row
+# How often the placement thread looks for the user's next row: soon after a placement (a
+# user row per training step), backing off while the user logs rarely, so a quiet run costs
+# a few wake-ups a second. A user who commits two rows within one look leaves one unridden.
+POLL_MIN_S = 0.001
+POLL_MAX_S = 0.05
 PLACER_JOIN_S = 5.0
 
 _exiting = False  # set by our exit hook: the user's code has ended, nobody logs any more
@@ -129,6 +133,7 @@ class WandbSink:
         self._stopping = False
         self._placer: threading.Thread | None = None
         self._placer_error: BaseException | None = None
+        self._poll_s = POLL_MIN_S
         self.coalesced = 0  # steps dropped for want of a user row
         self._coalesced_published = 0
         self._warned_coalesced = False
@@ -247,8 +252,10 @@ class WandbSink:
             with self._changed:  # the open row holds our last step: wait for the user's next
                 self._blocked = True
                 self._changed.notify_all()
-            time.sleep(POLL_S)
+            time.sleep(self._poll_s)
+            self._poll_s = min(2 * self._poll_s, POLL_MAX_S)
             return True
+        self._poll_s = POLL_MIN_S
         with self._changed:
             record = self._pending.popleft()
             self._placing = True
@@ -285,7 +292,8 @@ class WandbSink:
         """Have W&B call us at the start of ``finish()``, while the run still takes rows.
 
         W&B runs its "early" teardown hooks there (its own Jupyter support uses them); the
-        list is not public API, so without it waiting steps are counted as coalesced.
+        list is not public API: without it, steps still waiting at ``finish()`` are lost,
+        counted and warned about at exit.
         """
         try:
             from wandb.sdk.wandb_run import TeardownHook, TeardownStage
@@ -313,6 +321,10 @@ class WandbSink:
         self._stop_placer()
         run = self._run
         if run is None or _finished(run):
+            with self._changed:
+                self.coalesced += len(self._pending)
+                self._pending.clear()
+            self._warn_coalesced()
             return
         self._place_the_rest(run)
         self._publish_coalesced(run)
@@ -326,10 +338,11 @@ class WandbSink:
         if self.coalesced and not self._warned_coalesced:
             self._warned_coalesced = True
             warnings.warn(
-                f"gradtrack: {self.coalesced} steps found no W&B row of yours to ride on and "
-                f"were left out of the run (summary {self.coalesced_key}); gradtrack never "
-                "adds rows to a run you log to. Log to W&B at least once per gradtrack step "
-                "(see log_every), or let gradtrack start the run",
+                f"gradtrack left {self.coalesced} steps out of the W&B run (summary "
+                f"{self.coalesced_key}): in a run you log to, each of gradtrack's steps rides "
+                f"one of your rows, and more than {PENDING_LIMIT} waited for one. Log to W&B "
+                "at least as often as gradtrack logs (log_every), or let gradtrack start the "
+                "run",
                 RuntimeWarning,
                 stacklevel=2,
             )
