@@ -248,8 +248,8 @@ class WandbSink:
                 return False
         if _finished(run):
             return False
-        if self._staged_at is not None and _next_row(run) == self._staged_at:
-            with self._changed:  # the open row holds our last step: wait for the user's next
+        if self._holds_ours(run):
+            with self._changed:  # the open row may hold our last step: wait for the user's next
                 self._blocked = True
                 self._changed.notify_all()
             time.sleep(self._poll_s)
@@ -269,6 +269,16 @@ class WandbSink:
             self._changed.notify_all()
         return True
 
+    def _holds_ours(self, run: Run) -> bool:
+        """Whether the open row may still hold our last staged step.
+
+        ``_staged_at`` is W&B's own count, asked after our log, and can run ahead of the
+        SDK's ``_local_step`` while the user's ``log`` is between sending its row and
+        counting it. Only a count past ``_staged_at`` proves the user committed a row after
+        ours, so anything else counts as "may hold ours".
+        """
+        return self._staged_at is not None and _next_row(run) <= self._staged_at
+
     def _stop_placer(self) -> None:
         with self._changed:
             self._stopping = True
@@ -283,7 +293,7 @@ class WandbSink:
             rest = list(self._pending)
             self._pending.clear()
         for record in rest:
-            if self._staged_at is not None and _next_row(run) == self._staged_at:
+            if self._holds_ours(run):
                 run.log({}, commit=True)  # commit the row holding our previous step
             run.log(self.row(record), commit=False)
             self._staged_at = _next_row(run)
