@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,13 @@ def test_every_user_row_and_every_gradtrack_step_when_flushed_between_steps(
 
 
 @pytest.mark.parametrize("user_steps", ["explicit", "implicit"])
-def test_a_loop_at_full_speed_never_loses_a_user_row(offline: Path, user_steps: str) -> None:
+@pytest.mark.parametrize(
+    ("steps", "pause_s"),
+    [(STEPS, 0.0), (600, 0.003)],  # paced: steps ride rows while the user commits others
+)
+def test_a_real_loop_never_loses_a_user_row_nor_overwrites_a_step(
+    offline: Path, user_steps: str, steps: int, pause_s: float
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     run = wandb.init(project="gradtrack-tests")
@@ -75,7 +82,8 @@ def test_a_loop_at_full_speed_never_loses_a_user_row(offline: Path, user_steps: 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with gradtrack.watch(model, backend=["wandb", memory], log_every=1):
-            for step in range(STEPS):
+            for step in range(steps):
+                time.sleep(pause_s)
                 loss = backward(model)
                 if user_steps == "explicit":
                     run.log({"loss": loss}, step=step)
@@ -85,7 +93,7 @@ def test_a_loop_at_full_speed_never_loses_a_user_row(offline: Path, user_steps: 
 
     rows, run_summary = read_back(offline)
     user_rows = [row for row in rows if "loss" in row]
-    assert [row["_step"] for row in user_rows] == list(range(STEPS))
+    assert [row["_step"] for row in user_rows] == list(range(steps))
     assert rows[: len(user_rows)] == user_rows  # gradtrack's own rows, if any, only after
     ours = [row["gradtrack/step"] for row in rows if "gradtrack/step" in row]
     assert ours == sorted(set(ours))  # in order, each once
