@@ -43,10 +43,12 @@ PROFILE_FAMILY = "grad_profile"
 # own then. Beyond this many the oldest are dropped and counted: a user who logs less often
 # than gradtrack would otherwise see its charts fall ever further behind training.
 PENDING_LIMIT = 1024
-# How often the placement thread looks for the user's next row: soon after a placement (a
-# user row per training step), backing off while the user logs rarely, so a quiet run costs
-# a few wake-ups a second. A user who commits two rows within one look leaves one unridden.
+# How often the placement thread looks for the user's next row: every millisecond for a
+# while after a placement (a user row per training step), then backing off to POLL_MAX_S
+# while the user logs rarely, so a quiet run costs a few wake-ups a second. Two rows the
+# user commits within one look leave one of them unridden.
 POLL_MIN_S = 0.001
+POLL_FAST_FOR_S = 0.25
 POLL_MAX_S = 0.05
 PLACER_JOIN_S = 5.0
 
@@ -133,7 +135,7 @@ class WandbSink:
         self._stopping = False
         self._placer: threading.Thread | None = None
         self._placer_error: BaseException | None = None
-        self._poll_s = POLL_MIN_S
+        self._waiting_since: float | None = None  # when the placer began to wait for a row
         self.coalesced = 0  # steps dropped for want of a user row
         self._coalesced_published = 0
         self._warned_coalesced = False
@@ -252,10 +254,9 @@ class WandbSink:
             with self._changed:  # the open row may hold our last step: wait for the user's next
                 self._blocked = True
                 self._changed.notify_all()
-            time.sleep(self._poll_s)
-            self._poll_s = min(2 * self._poll_s, POLL_MAX_S)
+            time.sleep(self._poll_interval())
             return True
-        self._poll_s = POLL_MIN_S
+        self._waiting_since = None
         with self._changed:
             record = self._pending.popleft()
             self._placing = True
@@ -268,6 +269,15 @@ class WandbSink:
             self._placing = False
             self._changed.notify_all()
         return True
+
+    def _poll_interval(self) -> float:
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        waited = now - self._waiting_since
+        if waited < POLL_FAST_FOR_S:
+            return POLL_MIN_S
+        return min(POLL_MAX_S, POLL_MIN_S * 2 ** ((waited - POLL_FAST_FOR_S) / 0.05))
 
     def _holds_ours(self, run: Run) -> bool:
         """Whether the open row may still hold our last staged step.
