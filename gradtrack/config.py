@@ -10,7 +10,6 @@ import difflib
 import importlib
 import json
 import os
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +27,7 @@ from pydantic import (
 )
 
 from gradtrack.errors import GradtrackConfigError
+from gradtrack.redact import redact
 from gradtrack.rules import AlertRules
 
 if sys.version_info >= (3, 11):
@@ -386,15 +386,15 @@ def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
     return "\n".join(lines)
 
 
-_SECRET_NAME_PARTS = ("password", "passwd", "token", "secret", "key")
-_URI_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/?#@\s]*)@")
+_SECRET_NAME_PARTS = ("password", "passwd", "token", "secret", "key", "auth")
 
 
 def redacted_config(config: GradtrackConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The config as JSON-ready data with no credential in it, for trackers and logs.
 
     A field whose name says it holds a secret is dropped (not masked: even its length would
-    leak), and the userinfo of every URI is replaced by ``***`` (``https://***@host``).
+    leak), and every string goes through :func:`gradtrack.redact.redact` (URI userinfo and
+    secret query parameters become ``***``: ``https://***@host``).
     """
     data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
     redacted = _redact(data)
@@ -412,10 +412,5 @@ def _redact(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_redact(item) for item in value]
     if isinstance(value, str):
-        return redact_uri(value)
+        return redact(value)
     return value
-
-
-def redact_uri(text: str) -> str:
-    """``text`` with the userinfo of every URI in it replaced by ``***``."""
-    return _URI_USERINFO.sub(r"\g<scheme>***@", text)

@@ -26,10 +26,12 @@ def test_redacted_config_drops_userinfo_and_secret_named_fields() -> None:
         "store": {"uri": f"postgresql://u:{PASSWORD}@db:5432/x", "api_key": PASSWORD},
         "Auth_Token": PASSWORD, "client_secret": PASSWORD, "db_password": PASSWORD,
         "paths": ["file:///tmp/a@b", f"s3://k:{PASSWORD}@bucket/x"],
+        "query": f"https://host/api?user=bob&access_token={PASSWORD}",
     }  # fmt: skip
     assert redacted_config(nested) == {
         "store": {"uri": "postgresql://***@db:5432/x"},
         "paths": ["file:///tmp/a@b", "s3://***@bucket/x"],
+        "query": "https://host/api?user=bob&access_token=***",
     }
 
 
