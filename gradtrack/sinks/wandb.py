@@ -133,12 +133,20 @@ class WandbSink:
         self._placing = False  # a step taken from _pending is being logged
         self._blocked = False  # the open row holds our step: waiting for the user
         self._stopping = False
-        self._placer: threading.Thread | None = None
+        # Started here, in the caller's thread, not lazily in the one calling write(): a
+        # new thread inherits its creator's scheduling priority, and gradtrack's delivery
+        # threads yield to training, while riding the user's rows needs a prompt look
+        # (measured under load: 452 of 600 rows ridden at normal priority, 354 at nice 10).
+        # It only wakes to look for a row while steps wait, so the training loop loses little.
+        self._placer = threading.Thread(
+            target=self._place_loop, name="gradtrack-wandb-rows", daemon=True
+        )
         self._placer_error: BaseException | None = None
         self._waiting_since: float | None = None  # when the placer began to wait for a row
         self.coalesced = 0  # steps dropped for want of a user row
         self._coalesced_published = 0
         self._warned_coalesced = False
+        self._placer.start()
         _register_exit_hooks()
 
     # -- run lifecycle ---------------------------------------------------------------------
@@ -191,7 +199,7 @@ class WandbSink:
                 run.log(self.row(record), commit=True)
             self._own_rows = _next_row(run)
         else:
-            self._enqueue(run, batch)
+            self._enqueue(batch)
         self._publish_coalesced(run)
         extremes = batch[-1].extreme_layers()
         names = None if extremes is None else (extremes[0][0], extremes[1][0])
@@ -216,7 +224,7 @@ class WandbSink:
             run.config.update({LAYERS_CONFIG_KEY: self._layers}, allow_val_change=True)
 
     # -- riding the user's rows ------------------------------------------------------------
-    def _enqueue(self, run: Run, batch: Sequence[StepRecord]) -> None:
+    def _enqueue(self, batch: Sequence[StepRecord]) -> None:
         with self._changed:
             self._pending.extend(batch)
             while len(self._pending) > PENDING_LIMIT:
@@ -224,15 +232,10 @@ class WandbSink:
                 self.coalesced += 1
             self._blocked = False
             self._changed.notify_all()
-        if self._placer is None:
-            self._placer = threading.Thread(
-                target=self._place_loop, args=(run,), name="gradtrack-wandb-rows", daemon=True
-            )
-            self._placer.start()
 
-    def _place_loop(self, run: Run) -> None:
+    def _place_loop(self) -> None:
         try:
-            while self._place_next(run):
+            while self._place_next():
                 pass
         except Exception as error:  # reported by the next write, so the worker counts it
             self._placer_error = error
@@ -242,12 +245,14 @@ class WandbSink:
                 self._blocked = True  # nothing moves any more: let flush() return
                 self._changed.notify_all()
 
-    def _place_next(self, run: Run) -> bool:
+    def _place_next(self) -> bool:
         """Stage the oldest waiting step once the open row holds none of ours; False: stop."""
         with self._changed:
             self._changed.wait_for(lambda: self._stopping or bool(self._pending))
             if self._stopping:
                 return False
+        run = self._run  # bound before the first step was queued
+        assert run is not None
         if _finished(run):
             return False
         if self._holds_ours(run):
@@ -293,7 +298,7 @@ class WandbSink:
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
-        if self._placer is not None:
+        if self._placer.is_alive():
             self._placer.join(PLACER_JOIN_S)
 
     def _place_the_rest(self, run: Run) -> None:
