@@ -121,6 +121,7 @@ class WandbSink:
             f"gradtrack/{model}/coalesced" if model else "gradtrack/coalesced"
         )
         self._run = run
+        self._bound = False  # step axis declared and finish hook set on self._run
         self._owns_run = False
         self._own_rows: int | None = None  # rows committed while gradtrack alone logs
         self._staged_at: int | None = None  # W&B row that may hold our last staged step
@@ -153,6 +154,8 @@ class WandbSink:
     @property
     def run(self) -> Run:
         """The W&B run: the one given, else the active one, else one started now."""
+        if self._run is not None and self._bound:
+            return self._run
         if self._run is None:
             import wandb
 
@@ -167,9 +170,12 @@ class WandbSink:
                 )  # fmt: skip
                 self._owns_run = True
                 self._own_rows = _next_row(self._run)
-            self._hook_into_finish(self._run)
-            _order_exit_hook()  # W&B may have registered its own exit hooks just now
-            self._declare_step_axis(self._run)
+        # Once per run, given or found: a run handed in (a Lightning WandbLogger's) needs
+        # the step axis and the finish hook as much as one gradtrack found or started.
+        self._bound = True
+        self._hook_into_finish(self._run)
+        _order_exit_hook()  # W&B may have registered its own exit hooks just now
+        self._declare_step_axis(self._run)
         return self._run
 
     def _declare_step_axis(self, run: Run) -> None:
