@@ -60,6 +60,15 @@ class WandbOptions(BaseModel):
     profile_every: PositiveInt | None = Field(
         100, description="Log the per-layer gradient-flow profile every N-th step; None: never."
     )
+    pictures: bool = Field(
+        True,
+        description="At close, draw the run's gradient-flow pictures (total norm, flow by "
+        "depth, layers x steps, histograms, alerts) into the run summary as images, "
+        "grad_pictures/<name> (needs matplotlib: gradtrack[report]).",
+    )
+    pictures_every: PositiveInt | None = Field(
+        None, description="Also redraw them every N steps (None: at close only)."
+    )
 
 
 class MlflowOptions(BaseModel):
@@ -92,6 +101,15 @@ class MlflowOptions(BaseModel):
         description="Send buffered steps at most this often: a full request (1,000 metrics), "
         "an alert, flush() and close() go at once. MLflow's stores cost per request as well "
         "as per metric, so fewer, fuller requests cost less. 0: send at every write.",
+    )
+    pictures: bool = Field(
+        True,
+        description="At close, draw the run's gradient-flow pictures (total norm, flow by "
+        "depth, layers x steps, histograms, alerts) and log them as artifacts, "
+        "gradtrack/pictures/*.png and report.html (needs matplotlib: gradtrack[report]).",
+    )
+    pictures_every: PositiveInt | None = Field(
+        None, description="Also redraw them every N steps (None: at close only)."
     )
 
 
@@ -197,6 +215,13 @@ class GradtrackConfig(BaseModel):
         "gradient or an alert is written in full. Max and mean |g| are computed on the "
         "window's first steps only (two more passes over every gradient). 1: everything at "
         "every logged step. Alerts always see every logged step.",
+    )
+    layer_schedule: Literal["fixed", "dense_early"] = Field(
+        "fixed",
+        description="Which logged steps write per-layer metrics: 'fixed', the first of every "
+        "layer_every steps; 'dense_early', every logged step at first, then ever sparser "
+        "until one per layer_every (gradtrack.schedule.DenseEarly: a short run gets enough "
+        "points, a long one at most ~250 per-layer steps more than 'fixed').",
     )
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."

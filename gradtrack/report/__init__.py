@@ -1,7 +1,9 @@
 """Cross-run gradient-flow comparison: read runs from any tracker, shape them, draw them.
 
-Readers (`mlflow_source`, `wandb_source`) produce `RunData`; `compare` ranks layers; `plots`
-draws figures; `html` writes the self-contained report. The `gradtrack` command ties them up.
+Readers (`mlflow_source`, `wandb_source`) produce `RunData`; `divergence` finds where two runs
+first part, `compare` ranks layers, `summary` says both in JSON and words; `plots` draws
+figures; `render` writes the self-contained report; `live` lets a sink draw its own run's.
+The `gradtrack` command ties them up.
 """
 
 from gradtrack.report.data import RunData

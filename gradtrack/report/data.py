@@ -15,9 +15,13 @@ import numpy as np
 
 from gradtrack.errors import GradtrackError
 from gradtrack.histogram import Histogram
-from gradtrack.record import LAYER_KEY_PREFIX, TOTAL_NORM_KEY
+from gradtrack.record import LAYER_KEY_PREFIX, NONFINITE_KEY_PREFIX, TOTAL_NORM_KEY
 
 LAYER_FAMILIES = tuple(LAYER_KEY_PREFIX.values())  # grad_norm, grad_max, grad_mean_abs, grad_rms
+NONFINITE_FAMILIES = tuple(NONFINITE_KEY_PREFIX.values())  # grad_nan, grad_inf (non-zero only)
+TOTAL_NONFINITE_KEYS = ("grad/nan_count", "grad/inf_count")
+# MLflow stores ±Inf as ±1.8e308 (its largest double); anything this large was an Inf.
+_STORED_INF = 1.7e308
 Series = Mapping[str, Sequence[tuple[int, float]]]
 Progress = Callable[[str, int, int], None]
 
@@ -34,7 +38,11 @@ class Alert:
 
 @dataclass
 class RunData:
-    """One run's gradient flow: ``stats[family]`` is a [steps, layers] array (NaN: not logged)."""
+    """One run's gradient flow: ``stats[family]`` is a [steps, layers] array.
+
+    A value can itself be NaN (a NaN gradient), so what was not logged is told apart by
+    ``logged[family]`` (a boolean [steps, layers] array); without it, NaN means not logged.
+    """
 
     name: str
     source: str
@@ -46,10 +54,51 @@ class RunData:
     alerts: list[Alert] = field(default_factory=list)
     # The steps that carry per-layer statistics (``layer_every``); default: all of ``steps``.
     layer_steps: np.ndarray | None = None
+    logged: dict[str, np.ndarray] = field(default_factory=dict)
+    # NaN + Inf elements per [step, layer] (from grad_nan/*, grad_inf/*; 0 where none logged).
+    nonfinite_counts: np.ndarray | None = None
+    # NaN + Inf elements over all layers per step (grad/nan_count + grad/inf_count; NaN: absent).
+    total_nonfinite: np.ndarray | None = None
+    total_logged: np.ndarray | None = None  # per step: grad/total_norm was logged
+    run_id: str = ""
 
     @property
     def norms(self) -> np.ndarray:
         return self.stats["grad_norm"]
+
+    def logged_mask(self, family: str = "grad_norm") -> np.ndarray:
+        """Where ``stats[family]`` holds a logged value (a NaN gradient included)."""
+        if family in self.logged:
+            return self.logged[family]
+        return ~np.isnan(self.stats[family])
+
+    def total_logged_mask(self) -> np.ndarray:
+        if self.total_logged is not None:
+            return self.total_logged
+        return ~np.isnan(self.total_norm)
+
+    def first_nonfinite(self) -> tuple[int, str | None] | None:
+        """The first step whose gradient held a NaN or Inf, and the layer it names first:
+        the origin an alert named at that step, else the first non-finite layer in depth
+        order (None where only the totals say so)."""
+        bad = ~np.isfinite(self.total_norm) & self.total_logged_mask()
+        if self.total_nonfinite is not None:
+            bad |= np.nan_to_num(self.total_nonfinite) > 0
+        bad_layers = np.zeros_like(self.norms, dtype=bool)
+        for family, table in self.stats.items():
+            bad_layers |= ~np.isfinite(table) & self.logged_mask(family)
+        if self.nonfinite_counts is not None:
+            bad_layers |= self.nonfinite_counts > 0
+        bad |= bad_layers.any(axis=1)
+        if not bad.any():
+            return None
+        row = int(np.argmax(bad))
+        step = int(self.steps[row])
+        origins = [a.origin_layer for a in self.alerts if a.step == step and a.rule == "nonfinite"]
+        if origins and origins[0]:
+            return step, origins[0]
+        columns = np.flatnonzero(bad_layers[row])
+        return step, (self.layers[int(columns[0])] if len(columns) else None)
 
     def per_layer_steps(self) -> np.ndarray:
         """The steps that carry per-layer statistics."""
@@ -77,9 +126,12 @@ def from_series(
     layer_order: Sequence[str] = (),
     histograms: dict[str, list[tuple[int, Histogram]]] | None = None,
     alerts: list[Alert] | None = None,
+    run_id: str = "",
 ) -> RunData:
     """Build `RunData` from ``{metric key: [(step, value), ...]}`` as gradtrack logged it."""
-    per_family: dict[str, dict[str, Sequence[tuple[int, float]]]] = {f: {} for f in LAYER_FAMILIES}
+    per_family: dict[str, dict[str, Sequence[tuple[int, float]]]] = {
+        f: {} for f in (*LAYER_FAMILIES, *NONFINITE_FAMILIES)
+    }
     for key, values in series.items():
         family, _, layer = key.partition("/")
         if family in per_family and layer:
@@ -96,21 +148,54 @@ def from_series(
     layer_logged = {s for values in per_family["grad_norm"].values() for s, _ in values}
     steps = sorted(layer_logged | {s for s, _ in series.get(TOTAL_NORM_KEY, ())})
     index = {step: i for i, step in enumerate(steps)}
-    stats = {}
-    for family, by_layer in per_family.items():
-        table = np.full((len(steps), len(layers)), np.nan)
-        for j, layer in enumerate(layers):
-            for step, value in by_layer.get(layer, ()):
-                table[index[step], j] = value
-        stats[family] = table
-    total = np.full(len(steps), np.nan)
-    for step, value in series.get(TOTAL_NORM_KEY, ()):
-        total[index[step]] = value
+    stats, logged = {}, {}
+    for family in LAYER_FAMILIES:
+        stats[family], logged[family] = _table(per_family[family], layers, index)
+    counts = np.zeros((len(steps), len(layers)))
+    for family in NONFINITE_FAMILIES:
+        table, present = _table(per_family[family], layers, index)
+        counts += np.where(present, table, 0.0)
+    total, total_logged = _column(series.get(TOTAL_NORM_KEY, ()), index)
+    total_nonfinite = np.zeros(len(steps))
+    for key in TOTAL_NONFINITE_KEYS:
+        column, present = _column(series.get(key, ()), index)
+        total_nonfinite += np.where(present, column, 0.0)
     return RunData(
         name=name, source=source, steps=np.array(steps, dtype=np.int64), layers=layers,
         stats=stats, total_norm=total, histograms=histograms or {}, alerts=alerts or [],
-        layer_steps=np.array(sorted(layer_logged), dtype=np.int64),
+        layer_steps=np.array(sorted(layer_logged), dtype=np.int64), logged=logged,
+        nonfinite_counts=counts, total_nonfinite=total_nonfinite, total_logged=total_logged,
+        run_id=run_id,
     )  # fmt: skip
+
+
+def _table(
+    by_layer: Mapping[str, Sequence[tuple[int, float]]], layers: list[str], index: dict[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """[steps, layers] values and where they were logged."""
+    table = np.full((len(index), len(layers)), np.nan)
+    present = np.zeros(table.shape, dtype=bool)
+    for j, layer in enumerate(layers):
+        for step, value in by_layer.get(layer, ()):
+            if step in index:
+                table[index[step], j] = _unstored(value)
+                present[index[step], j] = True
+    return table, present
+
+
+def _column(
+    values: Sequence[tuple[int, float]], index: dict[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    column = np.full(len(index), np.nan)
+    present = np.zeros(len(index), dtype=bool)
+    for step, value in values:
+        if step in index:
+            column[index[step]], present[index[step]] = _unstored(value), True
+    return column, present
+
+
+def _unstored(value: float) -> float:
+    return float(np.copysign(np.inf, value)) if abs(value) >= _STORED_INF else float(value)
 
 
 def parse_alert_text(text: str, rule: str, severity: str) -> Alert:

@@ -52,6 +52,7 @@ def read_mlflow_run(
         layer_order=_layer_order(client, run_id),
         histograms=read_histograms(run_id, tracking_uri),
         alerts=alerts,
+        run_id=run_id,
     )
 
 

@@ -9,16 +9,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gradtrack.report import plots
-from gradtrack.report.compare import rank_layers
 from gradtrack.report.data import RunData
+from gradtrack.report.summary import Summary, sentences, summarise
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-def render_report(runs: list[RunData], out_dir: Path, hist_layers: list[str] | None = None) -> Path:
+def render_report(
+    runs: list[RunData],
+    out_dir: Path,
+    hist_layers: list[str] | None = None,
+    summary: Summary | None = None,
+) -> Path:
     """Draw every figure for ``runs`` into ``out_dir``; return the HTML file's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summary or summarise(runs)
+    divergences = summary.divergence_from_first()
     shared = [layer for layer in runs[0].layers if all(layer in r.layers for r in runs)]
     if hist_layers is None:
         with_hist = [layer for layer in shared if all(layer in r.histograms for r in runs)]
@@ -28,8 +35,9 @@ def render_report(runs: list[RunData], out_dir: Path, hist_layers: list[str] | N
             else []
         )
     steps = plots.profile_steps(runs)
+    color_range = plots.log_range(runs)
     figures: list[tuple[str, str, Figure]] = [
-        ("total_norm", "Total gradient norm over steps", plots.total_norm(runs)),
+        ("total_norm", "Total gradient norm over steps", plots.total_norm(runs, divergences)),
         (
             "flow_profile",
             f"Gradient-flow profile at steps {steps}",
@@ -37,19 +45,24 @@ def render_report(runs: list[RunData], out_dir: Path, hist_layers: list[str] | N
         ),
     ]
     figures += [
-        (f"heatmap_{i}", f"Layers × steps: {run.name}", plots.heatmap(run))
+        (
+            f"heatmap_{i}",
+            f"Layers × steps: {run.name}",
+            plots.heatmap(run, color_range, divergences[i], runs[0].name),
+        )
         for i, run in enumerate(runs)
     ]
     figures += [
         (f"histograms_{i}", f"Histogram evolution: {layer}", plots.histogram_evolution(runs, layer))
         for i, layer in enumerate(hist_layers)
     ]
-    figures.append(("alerts", "Alert timeline", plots.alert_timeline(runs)))
+    figures.append(("alerts", "Alert timeline", plots.alert_timeline(runs, divergences)))
 
     sections = []
     for name, title, figure in figures:
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png")
+        figure.clear()  # a report of many runs draws many figures: free each one now
         (out_dir / f"{name}.png").write_bytes(buffer.getvalue())
         encoded = base64.b64encode(buffer.getvalue()).decode()
         sections.append(
@@ -58,8 +71,10 @@ def render_report(runs: list[RunData], out_dir: Path, hist_layers: list[str] | N
         )
     page = _PAGE.format(
         title=html.escape(" vs ".join(run.name for run in runs)),
+        findings="".join(f"<li>{html.escape(line)}</li>" for line in sentences(summary)),
         runs=_runs_table(runs),
-        ranking=_ranking_table(runs),
+        ranking=_ranking_table(summary),
+        rtol=summary.rtol,
         sections="\n".join(sections),
         alerts=_alerts_table(runs),
     )
@@ -78,20 +93,32 @@ def _runs_table(runs: list[RunData]) -> str:
     return f"<table>{head}{rows}</table>"
 
 
-def _ranking_table(runs: list[RunData], limit: int = 25) -> str:
-    ranked = rank_layers(runs)[:limit]
+def _ranking_table(summary: Summary, limit: int = 25) -> str:
+    runs, ranked = summary.runs, summary.ranking[:limit]
     head = "".join(f"<th>mean log10 norm: {html.escape(r.name)}</th>" for r in runs)
     what = "spread between runs" if len(runs) > 1 else "below the strongest layer"
     rows = "".join(
         f"<tr><td>{i + 1}</td><td>{html.escape(d.layer)}</td>"
+        f"<td>{_KIND_WORDS.get(d.kind or '', '')}</td><td>{_step(d.first_step)}</td>"
         + "".join(f"<td>{m:.2f}</td>" for m in d.mean_log10_norm)
         + f"<td>{d.spread:.2f}</td></tr>"
         for i, d in enumerate(ranked)
     )
     return (
-        f"<table class=rank><tr><th>#</th><th>layer</th>{head}<th>{what} (decades)</th></tr>"
-        f"{rows}</table>"
+        "<table class=rank><tr><th>#</th><th>layer</th><th>strongest difference</th>"
+        f"<th>first differs at step</th>{head}<th>{what} (decades)</th></tr>{rows}</table>"
     )
+
+
+_KIND_WORDS = {
+    "nonfinite": "NaN/Inf in one run",
+    "zero": "exactly 0 in one run",
+    "value": "value beyond tolerance",
+}
+
+
+def _step(step: int | None) -> str:
+    return "—" if step is None else str(step)
 
 
 def _alerts_table(runs: list[RunData]) -> str:
@@ -116,6 +143,11 @@ th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
 th {{ background: #f3f3f3; }} img {{ max-width: 100%; }}
 </style></head><body>
 <h1>Gradient flow: {title}</h1>
+<h2>Findings</h2>
+<ul class=findings>{findings}</ul>
+<p class=note>Statistics differ when they are more than {rtol:g} apart, relative to the larger
+(0: exact); NaN, Inf and exact zero differ from any other value. In the pictures NaN/Inf are
+red ×, exact zero a ▽ at the bottom edge (white in heatmaps), and not logged is grey.</p>
 {runs}
 <h2>Layers whose gradient flow differs most</h2>
 {ranking}

@@ -72,12 +72,14 @@ def read_wandb_offline(path: Path, progress: Progress | None = None) -> RunData:
     layer_order: list[str] = []
     alerts = []
     name = run_file.parent.name
+    run_id = name.rpartition("-")[2]  # offline-run-<date>_<time>-<id>
     for record in iter_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             rows.append({_key(item): json.loads(item.value_json) for item in record.history.item})
         elif kind == "run" and record.run.display_name:
             name = record.run.display_name
+            run_id = record.run.run_id or run_id
         elif kind in ("run", "config"):
             config = record.run.config if kind == "run" else record.config
             for item in config.update:
@@ -93,7 +95,8 @@ def read_wandb_offline(path: Path, progress: Progress | None = None) -> RunData:
             )
         if progress is not None and len(rows) % 500 == 1:
             progress(f"reading {run_file.name}", len(rows), 0)
-    return _to_run(name, f"W&B offline run {run_file.parent}", rows, layer_order, alerts)
+    source = f"W&B offline run {run_file.parent}"
+    return _to_run(name, source, rows, layer_order, alerts, run_id)
 
 
 def read_wandb_api(path: str, progress: Progress | None = None) -> RunData:
@@ -107,7 +110,7 @@ def read_wandb_api(path: str, progress: Progress | None = None) -> RunData:
         raise GradtrackError(f"no W&B run {path!r}: {exc}") from None
     rows = list(run.scan_history())
     order = list(run.config.get(LAYERS_CONFIG_KEY, []))
-    return _to_run(str(run.name or path), f"W&B run {path}", rows, order, [])
+    return _to_run(str(run.name or path), f"W&B run {path}", rows, order, [], str(run.id))
 
 
 def _key(item: Any) -> str:
@@ -115,7 +118,12 @@ def _key(item: Any) -> str:
 
 
 def _to_run(
-    name: str, source: str, rows: list[dict[str, Any]], order: list[str], alerts: list[Any]
+    name: str,
+    source: str,
+    rows: list[dict[str, Any]],
+    order: list[str],
+    alerts: list[Any],
+    run_id: str,
 ) -> RunData:
     series: dict[str, list[tuple[int, float]]] = {}
     histograms: dict[str, list[tuple[int, Histogram]]] = {}
@@ -136,7 +144,7 @@ def _to_run(
                 series.setdefault(key, []).append((step, _number(value)))
     if not series:
         series = {k: [] for row in rows for k in row if not k.startswith("_")}
-    return from_series(name, source, series, order, histograms, alerts)
+    return from_series(name, source, series, order, histograms, alerts, run_id)
 
 
 _SCALAR_FAMILIES = {*FAMILIES} - {"act_grad_norm"}

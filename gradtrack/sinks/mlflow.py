@@ -41,6 +41,7 @@ HISTOGRAM_DIR = "gradtrack/histograms"
 ALERTS_DIR = "gradtrack"
 ALERTS_FILE = "alerts.jsonl"
 LAYERS_FILE = "gradtrack/layers.json"  # layer names in depth order, for readers
+PICTURES_DIR = "gradtrack/pictures"  # PNGs and report.html the MLflow UI shows
 DROPPED_KEY = "gradtrack/dropped"
 # With ``model_name`` (several models in one run), every artifact and tag is the model's
 # own: gradtrack/<model>/histograms, gradtrack/<model>/alerts.jsonl, gradtrack.<model>.*.
@@ -123,15 +124,22 @@ class MlflowSink:
         self._last_sent = -math.inf  # the first write goes out at once: the run appears
         self._alert_waiting = False
         self._outage_reported = False
+        # The report package draws; imported here, not at the top: it sits above the sinks.
+        from gradtrack.report.live import Pictures
+
+        self._pictures = Pictures(self.options.pictures, self.options.pictures_every)
 
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:
         for record in batch:
             self._buffer(record)
+        if self._pictures.add(batch):
+            self._draw_pictures()
         if self._send_due():
             self._pump(until=None)
 
     def alert(self, event: AlertEvent) -> None:
+        self._pictures.alert(event)
         self._alert_count += 1
         with self._alerts_path.open("a") as alerts:
             alerts.write(event.model_dump_json() + "\n")
@@ -166,7 +174,12 @@ class MlflowSink:
     def close(self) -> None:
         self._write_histogram_chunk()
         # Retry within the watcher's own close timeout, with room left to end the run.
-        self._pump(until=time.monotonic() + 0.8 * self.config.flush_timeout_s)
+        deadline = time.monotonic() + 0.8 * self.config.flush_timeout_s
+        self._pump(until=deadline)
+        # Pictures only once the data is out: they must never delay or displace it.
+        if not self._pending and self._pictures.due_at_close():
+            self._draw_pictures()
+            self._pump(until=deadline)
         if self.owns_run and self.run_id is not None and not self._pending:
             try:
                 self._connection().end_run(self.run_id, self.outcome)
@@ -236,6 +249,12 @@ class MlflowSink:
         path = write_chunk(self._staging, self._histograms)
         self._histograms, self._histogram_steps = [], set()
         self._queue_upload(path, artifact_path(HISTOGRAM_DIR, self._model))
+
+    def _draw_pictures(self) -> None:
+        name = self.options.run_name or self.run_id or "gradtrack run"
+        source = f"MLflow run {self.run_id} ({self.tracking_uri})"
+        for path in self._pictures.draw(self._staging / "pictures", name, source):
+            self._queue_upload(path, artifact_path(PICTURES_DIR, self._model))
 
     def _queue_upload(self, path: Path, artifact_dir: str) -> None:
         if (path, artifact_dir) not in self._uploads:

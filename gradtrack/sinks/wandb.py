@@ -24,6 +24,7 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradtrack.alerts import AlertEvent
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
 HIST_FAMILY = "grad_hist"
+PICTURES_FAMILY = "grad_pictures"  # summary images: grad_pictures/<name>
 LAYERS_CONFIG_KEY = "gradtrack_layers"  # layer names in depth order, for readers
 PROFILE_FAMILY = "grad_profile"
 # Steps waiting for a user row to ride. They keep their order (charts draw them at their own
@@ -128,6 +130,10 @@ class WandbSink:
         self._extreme_names: tuple[str, str] | None = None
         self._layers: list[str] = []
         self._first_nonfinite_logged = False
+        # The report package draws; imported here, not at the top: it sits above the sinks.
+        from gradtrack.report.live import Pictures
+
+        self._pictures = Pictures(self.options.pictures, self.options.pictures_every)
         # Steps waiting for a user row, and the thread that places them.
         self._pending: deque[StepRecord] = deque()
         self._changed = threading.Condition()
@@ -213,6 +219,26 @@ class WandbSink:
             self._extreme_names = names
             run.summary["gradtrack/weakest_layer"] = names[0]
             run.summary["gradtrack/strongest_layer"] = names[1]
+        if self._pictures.add(batch):
+            self._log_pictures(run)
+
+    def _log_pictures(self, run: Run) -> None:
+        """The pictures as images in the run summary (a history row of their own would
+        shift the user's step count), ``grad_pictures/[<model_name>/]<name>``."""
+        import tempfile
+
+        import wandb
+
+        with tempfile.TemporaryDirectory(prefix="gradtrack-pictures-") as directory:
+            paths = self._pictures.draw(Path(directory), run.name or run.id, f"W&B run {run.id}")
+            model = self.config.model_name
+            images = {
+                metric_key(PICTURES_FAMILY, path.stem, model): wandb.Image(str(path))
+                for path in paths
+                if path.suffix == ".png"
+            }
+            if images:
+                run.summary.update(images)  # W&B copies the files into the run here
 
     def _alone_in_run(self, run: Run) -> bool:
         """True while gradtrack started the run and no row but its own was committed."""
@@ -415,6 +441,7 @@ class WandbSink:
     def alert(self, event: AlertEvent) -> None:
         from wandb.sdk.wandb_alerts import AlertLevel
 
+        self._pictures.alert(event)
         run = self._live_run()
         levels = {"info": AlertLevel.INFO, "warning": AlertLevel.WARN, "error": AlertLevel.ERROR}
         level = levels[event.severity]
@@ -437,8 +464,10 @@ class WandbSink:
             )
 
     def close(self) -> None:
-        self._stop_placer()
         run = self._run
+        if run is not None and not _finished(run) and self._pictures.due_at_close():
+            self._log_pictures(run)  # summary images, not rows
+        self._stop_placer()
         if run is None or _finished(run):
             with self._changed:
                 self.coalesced += len(self._pending)
