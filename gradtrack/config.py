@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from gradtrack.errors import GradtrackConfigError
+from gradtrack.redact import redact
 from gradtrack.rules import AlertRules
 
 if sys.version_info >= (3, 11):
@@ -408,3 +409,33 @@ def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
         else:
             lines.append(f"  {field} = {item['input']!r} (from {where}): {item['msg']}")
     return "\n".join(lines)
+
+
+_SECRET_NAME_PARTS = ("password", "passwd", "token", "secret", "key", "auth")
+
+
+def redacted_config(config: GradtrackConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The config as JSON-ready data with no credential in it, for trackers and logs.
+
+    A field whose name says it holds a secret is dropped (not masked: even its length would
+    leak), and every string goes through :func:`gradtrack.redact.redact` (URI userinfo and
+    secret query parameters become ``***``: ``https://***@host``).
+    """
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+    redacted = _redact(data)
+    assert isinstance(redacted, dict)
+    return redacted
+
+
+def _redact(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {
+            key: _redact(item)
+            for key, item in value.items()
+            if not any(part in str(key).lower() for part in _SECRET_NAME_PARTS)
+        }
+    if isinstance(value, (list, tuple)):
+        return [_redact(item) for item in value]
+    if isinstance(value, str):
+        return redact(value)
+    return value
