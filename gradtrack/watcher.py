@@ -36,6 +36,7 @@ from gradtrack.layers import (
     unwrap_model,
 )
 from gradtrack.origin import OriginProbe, nonfinite_weight_layers
+from gradtrack.schedule import layer_schedule
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, Outcome, Worker
 
@@ -122,7 +123,7 @@ class Watcher:
         )
         self.step = 0
         # The first logged step of each layer_every window writes (and computes) every layer.
-        self._per_layer_due = FirstInWindow(config.layer_every)
+        self._per_layer_due = layer_schedule(config)
         # So does the first non-finite step of each window, logged or not (the guard's find).
         self._first_bad_due = FirstInWindow(config.layer_every)
         # The guard reads its verdict at every step only where that costs no wait for the

@@ -55,3 +55,19 @@ def test_config_names_the_schedule_and_refuses_others() -> None:
         GradtrackConfig(layer_schedule="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must be >= 1"):
         DenseEarly(0)
+
+
+def test_a_watcher_with_the_dense_early_schedule_writes_enough_columns() -> None:
+    import torch
+    from torch import nn
+
+    import gradtrack
+    from gradtrack.sinks import MemorySink
+
+    model = nn.Linear(4, 2)
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, layer_schedule="dense_early", hist_every=None):
+        for _ in range(200):
+            model(torch.randn(3, 4)).sum().backward()
+    per_layer = [r.step for r in sink.records if r.per_layer]
+    assert per_layer == list(range(0, 200, 10))  # the fixed schedule: [0, 100]
