@@ -56,6 +56,12 @@ def _finite(tensors: Sequence[Tensor | None]) -> bool:
     return _read([_all_finite(tensors)])[0]
 
 
+# The gradient reaching the model's output is kept to replay a bad step's backward only up
+# to this size: a language model's logits gradient can take gigabytes, which training would
+# otherwise have freed at the end of backward. Larger outputs: the forward is replayed alone.
+MAX_KEPT_OUTPUT_GRAD_BYTES = 64 << 20
+
+
 class OriginProbe:
     """Keeps references to what the root module received and to the gradient that reached
     its output (the last forward of a step), so that a bad step can be replayed."""
@@ -65,6 +71,7 @@ class OriginProbe:
         self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._rng: Tensor | None = None
         self._output_grads: list[Tensor] = []
+        self._output_too_large = False
         self.handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward),
@@ -76,13 +83,17 @@ class OriginProbe:
         self._inputs = (args, kwargs)
         self._rng = torch.get_rng_state()  # dropout masks on the CPU replay as they were
         self._output_grads = []
+        self._output_too_large = False
 
     def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        for leaf in _floats(output):
-            if leaf.requires_grad:
-                leaf.register_hook(self._output_grads.append)
+        leaves = [leaf for leaf in _floats(output) if leaf.requires_grad]
+        if sum(leaf.numel() * leaf.element_size() for leaf in leaves) > MAX_KEPT_OUTPUT_GRAD_BYTES:
+            self._output_too_large = True  # never hold what training would free
+            return
+        for leaf in leaves:
+            leaf.register_hook(self._output_grads.append)
 
     def forget(self) -> None:
         """Drop the references at the end of a step (they would hold memory)."""
@@ -94,7 +105,7 @@ class OriginProbe:
         RNG and every ``.grad`` are left as they were."""
         if self._inputs is None:
             return Origin(None, None, "no forward of the model was seen in this step")
-        output_grads = self._output_grads
+        output_grads, too_large = self._output_grads, self._output_too_large
         model, (args, kwargs) = self.model, self._inputs
         names = {module: name for name, module in model.named_modules()}
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -104,7 +115,15 @@ class OriginProbe:
                 warnings.simplefilter("ignore")
                 if self._rng is not None:
                     torch.set_rng_state(self._rng)
-                return _replay(model, names, args, kwargs, output_grads, self._rng)
+                found = _replay(model, names, args, kwargs, output_grads, self._rng)
+                if too_large and found.module is None:  # (the replay re-ran our hooks)
+                    note = (
+                        "the gradient reaching the model output is larger than "
+                        f"{MAX_KEPT_OUTPUT_GRAD_BYTES >> 20} MiB and is not kept, so the "
+                        "backward was not replayed"
+                    )
+                    return Origin(None, found.stage, note)
+                return found
         except Exception as exc:  # a replay must never break training
             return Origin(None, None, f"the replay failed ({type(exc).__name__}: {exc})")
         finally:

@@ -3,6 +3,7 @@ training — buffers (BatchNorm statistics), the RNG, gradients — that it repl
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -71,3 +72,26 @@ def test_a_gradient_the_model_did_not_make_is_not_pinned_on_a_module() -> None:
     (event,) = only(sink.events, "nonfinite")
     assert (event.origin_stage, event.origin_layer) == ("backward", "0")
     assert "The replay's backward stayed finite: the model's own forward" in event.message
+
+
+def test_a_large_output_gradient_is_not_held_and_the_event_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A language model's logits gradient can take gigabytes: past the bound (lowered here
+    to 16 bytes) the probe keeps no reference, and a backward-made NaN is not pinned."""
+    from tests.test_alerts import deep_model
+
+    monkeypatch.setattr("gradtrack.origin.MAX_KEPT_OUTPUT_GRAD_BYTES", 16)
+    model = deep_model()
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer) as watcher:
+        for step in range(3):
+            model[3].value = float("nan") if step == 1 else None
+            optimizer.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            probe = watcher._origin_probe
+            assert probe is not None and probe._output_grads == []  # nothing held
+            optimizer.step()
+    event = only(sink.events, "nonfinite")[0]
+    assert event.step == 1 and "not kept" in event.message
