@@ -105,17 +105,22 @@ def test_a_real_loop_never_loses_a_user_row_nor_overwrites_a_step(
     assert bool(left_out) == (coalesced > 0)
 
 
-def test_steps_the_user_has_no_rows_for_wait_for_the_finish(offline: Path) -> None:
-    """The user logs every 10th step, gradtrack every step: one gradtrack step per user row,
-    the rest in order in rows of gradtrack's own once the user finishes the run."""
+def user_logs_every_tenth_step(run: Any) -> None:
+    """gradtrack logs every step; the user logs ``loss`` with ``step=`` every 10th."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-    run = wandb.init(project="gradtrack-tests")
     with gradtrack.watch(model, backend="wandb", log_every=1) as watcher:
         for step in range(STEPS):
             backward(model)
             if step % 10 == 9:
                 watcher.flush()
                 run.log({"loss": float(step)}, step=step)
+
+
+def test_steps_the_user_has_no_rows_for_wait_for_the_finish(offline: Path) -> None:
+    """The user logs every 10th step, gradtrack every step: one gradtrack step per user row,
+    the rest in order in rows of gradtrack's own once the user finishes the run."""
+    run = wandb.init(project="gradtrack-tests")
+    user_logs_every_tenth_step(run)
     run.finish()
 
     rows, run_summary = read_back(offline)
@@ -132,15 +137,9 @@ def test_steps_beyond_the_waiting_limit_are_counted_not_hidden(
     offline: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(wandb_sink, "PENDING_LIMIT", 8)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     run = wandb.init(project="gradtrack-tests")
     with pytest.warns(RuntimeWarning, match="steps out of the W&B run"):
-        with gradtrack.watch(model, backend="wandb", log_every=1) as watcher:
-            for step in range(STEPS):
-                backward(model)
-                if step % 10 == 9:
-                    watcher.flush()
-                    run.log({"loss": float(step)}, step=step)
+        user_logs_every_tenth_step(run)
         run.finish()
 
     rows, run_summary = read_back(offline)
