@@ -46,15 +46,10 @@ class SlowSink(MemorySink):
         super().write(batch)
 
 
-def _late(server: MlflowServer) -> None:
-    time.sleep(10.0)
-    server.start()
-
-
 FAULTS: dict[str, tuple[Callable[[MlflowServer], None] | None, bool]] = {
     "freeze": (lambda server: server.freeze(15.0), True),
     "kill": (lambda server: server.restart(5.0), True),
-    "late": (_late, False),
+    "late": (lambda server: server.start_after(10.0), False),
     "slow": (None, True),
 }
 

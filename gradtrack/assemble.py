@@ -22,6 +22,7 @@ from gradtrack.distributed import RankGroup, rank_layer_norms
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.latch import latched_step
 from gradtrack.record import StepRecord, summarise_layers
+from gradtrack.redact import redact
 from gradtrack.stats import L1, L2, LINF, TENSOR_COLUMNS, HostPart
 
 logger = logging.getLogger("gradtrack")
@@ -263,7 +264,9 @@ def _evidence(flags: np.ndarray) -> dict[str, Any]:
 
 
 def report(message: str) -> None:
-    """Log and warn about a fault in gradtrack itself, never raising from a warning."""
+    """Log and warn about a fault in gradtrack itself, never raising from a warning; a sink's
+    error may quote its tracker's URI, so credentials are redacted here, for every caller."""
+    message = redact(message)
     logger.warning(message)
     try:
         warnings.warn(message, RuntimeWarning, stacklevel=2)

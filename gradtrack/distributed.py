@@ -73,7 +73,7 @@ class RankGroup:
         return box[0]
 
     def reduce_shards(self, rows: Tensor, tensor_index: np.ndarray, n_tensors: int) -> Tensor:
-        """Full-gradient rows from each rank's shard rows (see `stats.tensor_norms`)."""
+        """Full-gradient rows from each rank's shard rows (see `stats.stat_rows`)."""
         local = rows.new_zeros(n_tensors, TENSOR_COLUMNS)
         index = self._index(tensor_index, rows.device)
         local[index] = rows

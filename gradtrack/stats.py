@@ -20,7 +20,7 @@ L2, L1, LINF, NAN, INF = range(5)
 TENSOR_COLUMNS = 5
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-# On CPU, tensors smaller than this are reduced packed together (see `tensor_norms`): the
+# On CPU, tensors smaller than this are reduced packed together (see `abs_norms`): the
 # packed path costs per element, the foreach path per tensor. Measured over the benchmark
 # models, 2^12 was best or equal (quickstart CNN: 169 -> 120 us per step against 2^16).
 PACK_BELOW_ELEMENTS = 1 << 12

@@ -298,3 +298,18 @@ def test_watch_rejects_models_without_trainable_parameters() -> None:
 def test_watch_rejects_what_is_not_a_module() -> None:
     with pytest.raises(gradtrack.GradtrackError, match=r"torch\.nn\.Module"):
         gradtrack.watch(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_a_sink_error_quoting_its_uri_is_reported_without_the_password() -> None:
+    class LeakySink(FailingSink):
+        def write(self, batch: Sequence[StepRecord]) -> None:
+            raise ConnectionError("cannot reach http://alice:hunter2@tracker.example/api")
+
+    model = nn.Linear(3, 1)
+    with pytest.warns(RuntimeWarning, match="cannot reach") as caught:
+        with gradtrack.watch(model, backend=LeakySink(), log_every=1) as watcher:
+            model(torch.randn(2, 3)).sum().backward()
+            watcher.flush()
+    messages = [str(w.message) for w in caught]
+    assert any("http://***@tracker.example" in m for m in messages)
+    assert not any("hunter2" in m for m in messages)

@@ -73,6 +73,11 @@ class MlflowServer:
         time.sleep(after_s)
         self.start()
 
+    def start_after(self, seconds: float) -> None:
+        """A server that is late: start it only after ``seconds``."""
+        time.sleep(seconds)
+        self.start()
+
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return

@@ -29,7 +29,7 @@ FAULTS = {
     # fault → (what happens at step 300, whether the server runs at the start)
     "frozen 15 s": (lambda server: server.freeze(15.0), True),
     "killed, restarted 5 s later": (lambda server: server.restart(5.0), True),
-    "started 10 s late": (lambda server: (time.sleep(10.0), server.start()), False),
+    "started 10 s late": (lambda server: server.start_after(10.0), False),
 }
 
 
