@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,12 +41,21 @@ class DeviceGrads:
     l2: Tensor  # float64 [rows], on the device
 
 
+class GroupPlan(NamedTuple):
+    """One device-and-dtype group of a layout: its tensors' indices in `Collector.params`,
+    and whether every one of them is used as it is (no sparse, complex or empty gradient)."""
+
+    indices: list[int]
+    simple: bool
+
+
 @dataclass
 class Guard:
     """What every step computes, logged or not: the present gradients and their L2 norms
     (one batched pass, the cost of `clip_grad_norm_`'s), kept on their devices."""
 
     devices: list[DeviceGrads]
+    exact: bool = True  # norms exact (logged steps), or the plain pass between them
 
     def finite(self, wait: bool = False) -> bool | None:
         """Whether every gradient is finite; None if only a host sync could tell (an
@@ -75,6 +85,9 @@ class Collector:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
         self._placeholders: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._plans: dict[
+            tuple[torch.layout | None, ...], list[tuple[torch.device, list[GroupPlan]]]
+        ] = {}
         self.host_transfers = 0
         # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
         # device without a sync: what accelerators need. None: on every device but the CPU.
@@ -84,42 +97,75 @@ class Collector:
         self.local_shards = False
         self.reduce_shards: Callable[[Tensor, np.ndarray, int], Tensor] | None = None
 
-    def guard(self) -> Guard:
-        """Every present gradient's exact L2 norm, grouped per device and dtype."""
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[Tensor]]]
-        groups = defaultdict(lambda: ([], []))
+    def guard(self, exact: bool = True) -> Guard:
+        """Every present gradient's L2 norm, grouped per device and dtype.
+
+        ``exact`` (logged steps): each norm to ~1e-7 relative. Without it (the steps in
+        between, which need only the verdict) the CPU takes one plain fp32 pass, the floor's:
+        a norm of millions of elements may then be off by ~1e-4 relative, but a finite
+        gradient still never reads Inf (overflow is redone exactly). Accelerators are always
+        exact (fp64 accumulation costs them nothing).
+        """
         with torch.no_grad():
-            for i, param in enumerate(self.params):
-                grad = param.grad
-                if grad is None or not param.requires_grad:
-                    continue
-                if self.local_shards:
-                    grad = grad.to_local()  # type: ignore[attr-defined]
-                if grad.is_sparse:
-                    # The dense gradient's statistics: implicit zeros add nothing to the sums.
-                    grad = grad.coalesce()._values()
-                if grad.is_complex():  # summarised as |z|: the norm of the complex tensor
-                    grad = grad.abs()
-                if grad.numel() == 0:
-                    grad = self._placeholder(grad)
-                indices, grads = groups[(grad.device, grad.dtype)]
-                indices.append(i)
-                grads.append(grad)
-            by_device: dict[torch.device, list[tuple[list[int], list[Tensor]]]]
-            by_device = defaultdict(list)
-            for (device, _), group in groups.items():
-                by_device[device].append(group)
-            return Guard([self._device_grads(d, g) for d, g in by_device.items()])
+            grads: list[Tensor] = [p.grad for p in self.params]  # type: ignore[misc]
+            key = tuple(
+                None if g is None or not p.requires_grad else g.layout
+                for p, g in zip(self.params, grads)
+            )
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = self._plan(grads)
+            parts = []
+            for device, groups in plan:
+                present = [
+                    (indices, [grads[i] if simple else self._usable(grads[i]) for i in indices])
+                    for indices, simple in groups
+                ]
+                parts.append(self._device_grads(device, present, exact))
+            return Guard(parts, exact)
+
+    def _plan(self, grads: list[Tensor]) -> list[tuple[torch.device, list[GroupPlan]]]:
+        """How this layout of present gradients groups: per device, per dtype, the tensors'
+        indices and whether each is used as it is (the common dense case)."""
+        if len(self._plans) > 64:  # layouts that keep changing: keep the cache small
+            self._plans.clear()
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[bool]]]
+        groups = defaultdict(lambda: ([], []))
+        for i, (param, grad) in enumerate(zip(self.params, grads)):
+            if grad is None or not param.requires_grad:
+                continue
+            usable = self._usable(grad)
+            simple = usable is grad
+            indices, simples = groups[(usable.device, usable.dtype)]
+            indices.append(i)
+            simples.append(simple)
+        by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
+        for (device, _), (indices, simples) in groups.items():
+            by_device[device].append(GroupPlan(indices, all(simples)))
+        return list(by_device.items())
+
+    def _usable(self, grad: Tensor) -> Tensor:
+        """The dense, real, non-empty tensor whose statistics are the gradient's."""
+        if self.local_shards:
+            grad = grad.to_local()  # type: ignore[attr-defined]
+        if grad.is_sparse:
+            # The dense gradient's statistics: implicit zeros add nothing to the sums.
+            grad = grad.coalesce()._values()
+        if grad.is_complex():  # summarised as |z|: the norm of the complex tensor
+            grad = grad.abs()
+        if grad.numel() == 0:
+            grad = self._placeholder(grad)
+        return grad
 
     def _device_grads(
-        self, device: torch.device, groups: list[tuple[list[int], list[Tensor]]]
+        self, device: torch.device, groups: list[tuple[list[int], list[Tensor]]], exact: bool
     ) -> DeviceGrads:
         foreach_only = device.type != "cpu" if self.foreach_only is None else self.foreach_only
         slices, start = [], 0
         for indices, _ in groups:
             slices.append(slice(start, start + len(indices)))
             start += len(indices)
-        norms = [l2_norms(grads, on_host=not foreach_only) for _, grads in groups]
+        norms = [l2_norms(grads, on_host=not foreach_only, exact=exact) for _, grads in groups]
         return DeviceGrads(
             device,
             foreach_only,

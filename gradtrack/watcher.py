@@ -274,13 +274,17 @@ class Watcher:
         step, self.step = self.step, self.step + 1
         backward_order = self._finish_order_probe()
         logged, with_samples = self._is_due(step)
-        guard = self._guard(step)
+        guard = self._guard(step, exact=logged or with_samples)
         if guard is None:
             return
         verdict = self._verdict(guard)
         if verdict is None:
             self._latch_if_bad(guard, step)
         bad = verdict is False
+        if bad and not guard.exact:  # a bad step is summarised: its norms must be exact
+            guard = self._guard(step, exact=True)
+            if guard is None:
+                return
         first_bad = bad and self._first_bad_due(step)
         origin = None
         if bad and (logged or with_samples or first_bad or self._raise_on_alert):
@@ -346,10 +350,11 @@ class Watcher:
             self.assembler.latch_size = self._latch.size  # before any step carries it
         self._latch.update(guard, step)
 
-    def _guard(self, step: int) -> Guard | None:
-        """Every step: each gradient's exact L2 norm, in one batched pass on its device."""
+    def _guard(self, step: int, exact: bool) -> Guard | None:
+        """Every step: each gradient's L2 norm, in one batched pass on its device (exact
+        where the step is summarised, see `Collector.guard`)."""
         try:
-            return self.collector.guard()
+            return self.collector.guard(exact)
         except Exception as exc:  # watching must never crash training
             self._collect_failed(step, exc)
             return None

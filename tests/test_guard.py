@@ -130,6 +130,55 @@ def test_huge_finite_gradients_have_a_finite_norm_and_explode() -> None:
     assert {e.rule for e in sink.events} == {"exploding"}  # the layer and the total
 
 
+def test_huge_finite_gradients_between_logged_steps_are_no_nan_alarm() -> None:
+    """The steps between logged ones take the plain fp32 pass, whose sum overflows here:
+    the verdict must still be finite (overflowed norms are redone exactly)."""
+    sink = single_layer_step(torch.full((10_000,), 1e18), steps=15)  # log_every=10
+    assert [r.step for r in sink.records] == [0, 10]
+    assert not only(sink.events, "nonfinite")
+    assert all(r.total_norm == pytest.approx(1e20, rel=1e-6) for r in sink.records)
+
+
+def test_unlogged_steps_take_the_plain_pass_and_logged_steps_the_exact_one() -> None:
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(6_400_000, generator=generator) * 1e-3 + 1e-3  # sums drift in fp32
+    param = nn.Parameter(torch.zeros_like(grad))
+    param.grad = grad
+    model = nn.Module()
+    model.register_parameter("w", param)
+    expected = float(grad.double().norm())
+    with gradtrack.watch(model, backend=MemorySink()) as watcher:
+        exact, plain = watcher.collector.guard(exact=True), watcher.collector.guard(exact=False)
+    assert exact.exact and not plain.exact
+    assert float(exact.devices[0].l2[0]) == pytest.approx(expected, rel=1e-6)
+    assert float(plain.devices[0].l2[0]) == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_bad_unlogged_step_is_summarised_with_exact_norms() -> None:
+    """Step 3 is unlogged, so its guard took the plain pass; being bad, it is summarised,
+    and the healthy large layer's norm must then be exact."""
+    generator = torch.Generator().manual_seed(0)
+    big = torch.randn(6_400_000, generator=generator) * 1e-3 + 1e-3
+    model = nn.ModuleDict({"big": nn.Linear(1, 1), "small": nn.Linear(1, 1)})
+    weights = {"big": nn.Parameter(torch.zeros_like(big)), "small": nn.Parameter(torch.zeros(4))}
+    for name, param in weights.items():  # one parameter per layer, named after its module
+        model[name].weight = param
+        model[name].bias = None
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer):
+        for step in range(4):
+            small = torch.full((4,), float("nan") if step == 3 else 1.0)
+            ((weights["big"] * big).sum() + (weights["small"] * small).sum()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    bad = [r for r in sink.records if r.step == 3]
+    assert len(bad) == 1
+    norms = dict(zip(bad[0].layers, bad[0].column("norm")))
+    assert norms["big"] == pytest.approx(float(big.double().norm()), rel=1e-6)
+    assert math.isnan(norms["small"])
+
+
 def test_tiny_gradients_never_read_as_zero_on_any_kind_of_step() -> None:
     # Step 0 is a per-layer step (max/mean |g| too), steps 1 and 2 take the L2 alone.
     sink = single_layer_step(torch.full((10_000,), 1e-24), steps=3, log_every=1)
