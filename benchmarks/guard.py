@@ -7,8 +7,10 @@ the machine's noise falls on every variant alike, the median time of:
 
 - floor: one fp32 foreach L2 pass over every gradient and one host copy (what
   ``clip_grad_norm_`` does, the cheapest possible look at every gradient);
-- guard: gradtrack's guard as it runs at every step — exact L2 per gradient (fp32 rows added
-  in fp64 on the CPU, over/underflow redone in fp64) and the finite verdict;
+- guard: gradtrack's guard as it runs at the steps between logged ones — one fp32 L2 pass
+  (overflowed norms redone in fp64) and the finite verdict;
+- exact guard: the guard of a logged step — exact L2 per gradient (fp32 chunks added in
+  fp64 on the CPU, over/underflow redone in fp64);
 - logged step: the guard plus a logged step's collection (NaN/Inf counts, the host hand-off),
   without max/mean |g|; and a per-layer step (with them).
 
@@ -44,7 +46,10 @@ def measure(name: str, reps: int) -> dict[str, float]:
         torch.stack(torch._foreach_norm(grads)).cpu()
 
     def guard() -> None:
-        collector.guard().finite()
+        collector.guard(exact=False).finite()
+
+    def exact_guard() -> None:
+        collector.guard(exact=True).finite()
 
     def logged() -> None:
         collector.collect(collector.guard(), with_samples=False, full=False)
@@ -53,7 +58,8 @@ def measure(name: str, reps: int) -> dict[str, float]:
         collector.collect(collector.guard(), with_samples=False, full=True)
 
     variants: dict[str, Callable[[], None]] = {
-        "floor": floor, "guard": guard, "logged": logged, "per_layer": per_layer,
+        "floor": floor, "guard": guard, "exact_guard": exact_guard, "logged": logged,
+        "per_layer": per_layer,
     }  # fmt: skip
     times: dict[str, list[float]] = {key: [] for key in variants}
     with torch.no_grad():
@@ -76,10 +82,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms (÷ floor)")
-    print("model | one backward | floor | guard | logged step | per-layer step")
+    print("model | one backward | floor | guard | exact guard | logged step | per-layer step")
+    variants = ("guard", "exact_guard", "logged", "per_layer")
     for name in args.models:
         r = measure(name, args.reps)
-        cells = [f"{r[k]:.3f} ({r[k] / r['floor']:.2f}x)" for k in ("guard", "logged", "per_layer")]
+        cells = [f"{r[k]:.3f} ({r[k] / r['floor']:.2f}x)" for k in variants]
         print(" | ".join([name, f"{r['backward']:.1f}", f"{r['floor']:.3f}", *cells]), flush=True)
 
 

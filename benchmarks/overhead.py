@@ -16,8 +16,8 @@ histograms every 100 steps by default: the default 10 rounds of 20 steps hold tw
 - base: forward, backward, optimizer step; "base again": the same, as a control of the
   run's noise (it reads 1.00x only on a quiet machine);
 - floor: base + one foreach norm pass over all gradients + one host copy;
-- guard: gradtrack with no step ever logged: its every-step guard alone (exact L2 norms
-  of every gradient and the finite check), to be read beside the floor;
+- guard: gradtrack with no step ever logged: its every-step guard alone (one L2 pass over
+  every gradient and the finite check), to be read beside the floor;
 - recipe: full backward hooks on every leaf module, ``.norm().item()`` per gradient tensor;
 - wandb.watch: ``wandb.watch(model, log="gradients", log_freq=1)``, offline, plus the
   ``run.log`` per step that commits what it staged;
