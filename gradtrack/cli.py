@@ -2,10 +2,13 @@
 
     gradtrack compare RUN [RUN ...] [--json] [--parity] [--rtol R] [--layer L ...] [--out DIR]
     gradtrack report RUN
+    gradtrack sync [SPOOL ...] [--timeout S]
 
 A RUN is a W&B offline run directory, ``wandb:entity/project/run_id`` (public API), or an
-MLflow run id or ``experiment/run-name``. Exit status: 0, or 1 when ``--parity`` finds runs
-that part, or 2 on an error.
+MLflow run id or ``experiment/run-name``. A SPOOL is what a run left undelivered (the
+warning at its close names it), or a folder of them (default: every spool left on this
+machine). Exit status: 0, or 1 when ``--parity`` finds runs that part or ``sync`` could not
+deliver everything, or 2 on an error.
 """
 
 from __future__ import annotations
@@ -117,11 +120,41 @@ def _parser() -> argparse.ArgumentParser:
             help="the runs should be identical: exact comparison (unless --rtol), exit 1 if "
             "any two part",
         )  # fmt: skip
+    sync = commands.add_parser("sync", help="deliver what runs left in their spools")
+    sync.add_argument("spools", nargs="*", type=Path, metavar="SPOOL")
+    sync.add_argument(
+        "--timeout", type=float, default=300.0,
+        help="seconds to keep retrying an unreachable tracker, per spool (default 300)",
+    )  # fmt: skip
     return parser
+
+
+def run_sync(spools: list[Path], timeout_s: float) -> int:
+    from gradtrack.spool import default_root
+    from gradtrack.sync import spools_under, sync
+
+    paths = [p for root in spools or [default_root()] for p in spools_under(root)]
+    if not paths:
+        print("gradtrack: nothing to sync", file=sys.stderr)
+        return 0
+    left = 0
+    for path in paths:
+        print(f"{path}:")
+        result = sync(path, timeout_s)
+        left += result.left
+        if result.left:
+            print(f"  {result.left} item(s) still undelivered; the spool is kept")
+    return 1 if left else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "sync":
+        try:
+            return run_sync(args.spools, args.timeout)
+        except GradtrackError as error:
+            print(f"gradtrack: {error}", file=sys.stderr)
+            return 2
     _progress_clock.update(start=_clock(), last=0.0)
     # MLflow draws a progress bar on stderr for every artifact it downloads.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

@@ -176,8 +176,25 @@ class GradtrackConfig(BaseModel):
     max_batch_steps: PositiveInt = Field(32, description="Steps handed to a sink in one write.")
     sink_buffer_steps: PositiveInt = Field(
         10_000,
-        description="Steps waiting for one sink's delivery thread (a slow or unreachable "
-        "tracker); past it the oldest are dropped, counted and logged as gradtrack/dropped.",
+        description="Steps waiting in memory for one sink that has no spool (memory, "
+        "console, your own); past it the oldest are dropped, counted and logged as "
+        "gradtrack/dropped.",
+    )
+    spool: bool = Field(
+        True,
+        description="Write every record and alert to a local spool before a tracker sink "
+        "(W&B, MLflow) gets it; what a tracker has not confirmed stays there "
+        "(`gradtrack sync PATH` delivers it later).",
+    )
+    spool_dir: Path | None = Field(
+        None,
+        description="Where spools live; default $GRADTRACK_SPOOL_DIR, else "
+        "~/.cache/gradtrack/spool. A delivered run leaves nothing there.",
+    )
+    spool_mib: PositiveInt = Field(
+        2048,
+        description="Disk the undelivered items of one run may take (MiB); past it new "
+        "steps are dropped, counted and logged as gradtrack/dropped.",
     )
     batch_wait_s: float = Field(
         0.5,

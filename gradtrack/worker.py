@@ -19,9 +19,10 @@ from typing import Literal
 from gradtrack.alerts import AlertEvent
 from gradtrack.assemble import AssembledStep, Assembler, PendingStep, report
 from gradtrack.config import GradtrackConfig
-from gradtrack.courier import Courier, DropCount, yield_cpu_to_training
+from gradtrack.courier import Courier, DropCount, SpooledCourier, TrackerSink, yield_cpu_to_training
 from gradtrack.record import StepRecord
 from gradtrack.sinks.base import GradientSink
+from gradtrack.spool import Spool, default_root
 
 logger = logging.getLogger("gradtrack")
 
@@ -152,8 +153,17 @@ class Worker:
         on_alert: Callable[[AlertEvent], None] | None = None,
         drops: DropCount | None = None,
     ) -> None:
-        drops = drops or DropCount(report)
-        self.couriers = [Courier(sink, config.sink_buffer_steps, drops, report) for sink in sinks]
+        self.drops = drops = drops or DropCount(report)
+        self.spool = open_spool(sinks, config)
+        self.couriers: list[Courier | SpooledCourier] = []
+        for i, sink in enumerate(sinks):
+            if self.spool is not None and isinstance(sink, TrackerSink):
+                courier: Courier | SpooledCourier = SpooledCourier(
+                    sink, self.spool, sink_id(i, sink), report, config.max_batch_steps
+                )
+            else:
+                courier = Courier(sink, config.sink_buffer_steps, drops, report)
+            self.couriers.append(courier)
         self.record_errors = 0
         self.callback_errors = 0
         self.assembler = assembler
@@ -220,12 +230,20 @@ class Worker:
             for sink in self.sinks:
                 if hasattr(sink, "outcome"):
                     sink.outcome = control.outcome
+            if self.spool is not None:
+                self.spool.note_outcome(control.outcome)
         calls = ("flush", "close") if control.kind == "stop" else ("flush",)
-        finished = [courier.post(call) for courier in self.couriers for call in calls]
+        finished = [
+            courier.post_after(call) if isinstance(courier, SpooledCourier) else courier.post(call)
+            for courier in self.couriers
+            for call in calls
+        ]
 
         def wait() -> None:
             for event in finished:
                 event.wait()
+            if control.kind == "stop" and self.spool is not None:
+                self._release_spool(self.spool)
             control.done.set()
 
         threading.Thread(target=wait, name="gradtrack-flush", daemon=True).start()
@@ -264,11 +282,66 @@ class Worker:
                     report(f"gradtrack's on_alert callback failed: {exc!r}")
 
     def _hand_over(self, records: list[StepRecord], events: list[AlertEvent]) -> None:
+        if self.spool is not None and (records or events):
+            self._append(self.spool, records, events)
         for courier in self.couriers:
+            if isinstance(courier, SpooledCourier):
+                if self.spool is not None:
+                    courier.announce(self.spool.last_seq)
+                continue
             if records:
                 courier.write(records)
             for event in events:
-                courier.post("alert", event)
+                courier.alert(event)
+
+    def _append(self, spool: Spool, records: list[StepRecord], events: list[AlertEvent]) -> None:
+        for item in [*records, *events]:
+            if spool.append(item) is None and isinstance(item, StepRecord):
+                self.drops.add(
+                    1,
+                    f"the spool at {spool.path} holds {spool.max_bytes >> 20} MiB not yet "
+                    "delivered, its bound (spool_mib)",
+                )
+
+    @staticmethod
+    def _release_spool(spool: Spool) -> None:
+        """Delete the spool once every sink confirmed it; else keep it and say how to sync."""
+        left = spool.undelivered()
+        spool.close()
+        if left == 0:
+            spool.remove()
+            return
+        report(
+            f"gradtrack could not deliver {left} item(s) (steps and alerts) to every tracker "
+            f"before closing; they are kept in {spool.path}. Deliver them with: "
+            f"gradtrack sync {spool.path}"
+        )
+
+
+def sink_id(index: int, sink: GradientSink) -> str:
+    """The name a sink's cursor has in the spool, e.g. ``0-MlflowSink``."""
+    return f"{index}-{type(sink).__name__}"
+
+
+def open_spool(sinks: Sequence[GradientSink], config: GradtrackConfig) -> Spool | None:
+    """The run's spool, if ``config.spool`` and a sink delivers to a tracker; None (steps
+    then wait in memory) if it cannot be created, which is reported."""
+    targets = {
+        sink_id(i, sink): sink.spool_target()
+        for i, sink in enumerate(sinks)
+        if isinstance(sink, TrackerSink)
+    }
+    if not config.spool or not targets:
+        return None
+    root = config.spool_dir or default_root()
+    try:
+        return Spool.create(root, config.model_name or "run", targets, config.spool_mib << 20)
+    except OSError as exc:
+        report(
+            f"gradtrack could not create its spool under {root} ({exc!r}); steps wait in "
+            "memory instead (set spool_dir or GRADTRACK_SPOOL_DIR to a writable folder)"
+        )
+        return None
 
 
 class GradientWarning(RuntimeWarning):

@@ -144,3 +144,11 @@ def run_without(modules: list[str], code: str) -> str:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+@pytest.fixture(autouse=True)
+def spool_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's spools in its own folder, never in the user's ~/.cache."""
+    root = tmp_path / "spool"
+    monkeypatch.setenv("GRADTRACK_SPOOL_DIR", str(root))
+    return root

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -19,7 +20,7 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
@@ -75,12 +76,21 @@ _ALERT_WAIT_S = 1.0
 
 
 class _Step:
-    """One step's metrics and tags waiting to be sent; ``sent`` counts metrics already out."""
+    """One step's metrics and tags waiting to be sent; ``sent`` counts metrics already out;
+    ``item`` is the (first) item handed to the sink that sending it completes."""
 
-    __slots__ = ("metrics", "sent", "tags")
+    __slots__ = ("item", "metrics", "sent", "tags")
 
-    def __init__(self, metrics: list[tuple[str, float, int, int]], tags: list[tuple[str, str]]):
-        self.metrics, self.tags, self.sent = metrics, tags, 0
+    def __init__(
+        self, metrics: list[tuple[str, float, int, int]], tags: list[tuple[str, str]], item: int
+    ) -> None:
+        self.metrics, self.tags, self.sent, self.item = metrics, tags, 0, item
+
+
+class _Upload(NamedTuple):
+    path: Path
+    artifact_dir: str
+    item: int | None  # the first handed item whose data the file holds (None: derived data)
 
 
 class MlflowSink:
@@ -108,9 +118,11 @@ class MlflowSink:
         self._tracking: Tracking | None = None
         self._artifact_uri: str | None = None
         self._pending: deque[_Step] = deque()
-        self._uploads: deque[tuple[Path, str]] = deque()
+        self._uploads: deque[_Upload] = deque()
         self._histograms: list[HistogramEntry] = []
         self._histogram_steps: set[int] = set()
+        self._histograms_item: int | None = None  # the first item whose histograms wait
+        self._handed = 0  # items (records and alerts) handed to this sink so far
         self._staging = Path(tempfile.mkdtemp(prefix="gradtrack-mlflow-"))
         self._model = self.config.model_name
         self._alerts_path = self._staging / ALERTS_FILE
@@ -132,6 +144,7 @@ class MlflowSink:
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:
         for record in batch:
+            self._handed += 1
             self._buffer(record)
         if self._pictures.add(batch):
             self._draw_pictures()
@@ -139,6 +152,8 @@ class MlflowSink:
             self._pump(until=None)
 
     def alert(self, event: AlertEvent) -> None:
+        self._handed += 1
+        item = self._handed
         self._pictures.alert(event)
         self._alert_count += 1
         with self._alerts_path.open("a") as alerts:
@@ -159,10 +174,58 @@ class MlflowSink:
         if last is not None and not last.metrics and last.sent == 0:
             last.tags = list({**dict(last.tags), **dict(tags)}.items())  # a burst: one request
         else:
-            self._pending.append(_Step([], tags))
-        self._queue_upload(self._alerts_path, artifact_path(ALERTS_DIR, model))
+            self._pending.append(_Step([], tags, item))
+        self._queue_upload(self._alerts_path, artifact_path(ALERTS_DIR, model), item)
         self._alert_waiting = True
         if self._send_due():
+            self._pump(until=None)
+
+    def delivered(self) -> int:
+        """How many of the items handed to this sink MLflow has — metrics, tags and the
+        files holding their histograms and alerts —, every one up to that count."""
+        waiting = [upload.item for upload in self._uploads if upload.item is not None]
+        if self._pending:
+            waiting.append(self._pending[0].item)
+        if self._histograms_item is not None:
+            waiting.append(self._histograms_item)
+        return min(waiting) - 1 if waiting else self._handed
+
+    def spool_target(self) -> dict[str, Any]:
+        """How `gradtrack sync` reaches this run again; never a credential (MLflow's client
+        takes those from MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN)."""
+        return {
+            "backend": "mlflow",
+            "tracking_uri": _portable_uri(self.tracking_uri),
+            "run_id": self.run_id,
+            "owns_run": self.owns_run,
+            "model_name": self._model,
+            "options": self.options.model_dump(mode="json", exclude={"tracking_uri"}),
+            "cwd": os.getcwd(),  # where MLflow's default store is, if none was named
+        }
+
+    @classmethod
+    def from_spool_target(
+        cls, target: dict[str, Any], outcome: str = "FINISHED", flush_timeout_s: float = 300.0
+    ) -> MlflowSink:
+        """The sink `gradtrack sync` delivers a spool's items with: the same run (or, if
+        it was never created, a new one)."""
+        options = {**target.get("options", {}), "tracking_uri": target.get("tracking_uri")}
+        if options["tracking_uri"] is None and target.get("cwd"):
+            os.chdir(target["cwd"])  # MLflow's default store is relative to the folder
+        config = GradtrackConfig(
+            mlflow=options, model_name=target.get("model_name"), flush_timeout_s=flush_timeout_s
+        )
+        sink = cls(config, run_id=target.get("run_id"))
+        sink.owns_run = bool(target.get("owns_run")) or target.get("run_id") is None
+        sink.outcome = outcome
+        # Alerts from before the resumption stay in their own file (readers take them all).
+        sink._alerts_path = sink._staging / f"alerts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        return sink
+
+    def retry(self) -> None:
+        """Send what is due (respecting the backoff of an outage): the courier's nudge while
+        the tracker owes it confirmations."""
+        if self._send_due() or (self._uploads and not self._pending):
             self._pump(until=None)
 
     def flush(self) -> None:
@@ -204,7 +267,7 @@ class MlflowSink:
             path = self._staging / Path(LAYERS_FILE).name
             path.write_text(json.dumps(list(self._layers)))
             self._queue_upload(
-                path, Path(artifact_path(LAYERS_FILE, self._model)).parent.as_posix()
+                path, Path(artifact_path(LAYERS_FILE, self._model)).parent.as_posix(), None
             )
         timestamp = int(record.wall_time * 1000)
         tags = self._extreme_tags(record)
@@ -224,7 +287,9 @@ class MlflowSink:
             self._reported_dropped = dropped
             values[dropped_key] = float(dropped)
         metrics = [(key, value, timestamp, record.step) for key, value in values.items()]
-        self._pending.append(_Step(metrics, tags))
+        self._pending.append(_Step(metrics, tags, self._handed))
+        if record.histograms and self._histograms_item is None:
+            self._histograms_item = self._handed
         for layer, histogram in record.histograms.items():
             self._histograms.append((record.step, layer, histogram))
             self._histogram_steps.add(record.step)
@@ -248,17 +313,23 @@ class MlflowSink:
             return
         path = write_chunk(self._staging, self._histograms)
         self._histograms, self._histogram_steps = [], set()
-        self._queue_upload(path, artifact_path(HISTOGRAM_DIR, self._model))
+        self._queue_upload(path, artifact_path(HISTOGRAM_DIR, self._model), self._histograms_item)
+        self._histograms_item = None
 
     def _draw_pictures(self) -> None:
         name = self.options.run_name or self.run_id or "gradtrack run"
         source = f"MLflow run {self.run_id} ({self.tracking_uri})"
         for path in self._pictures.draw(self._staging / "pictures", name, source):
-            self._queue_upload(path, artifact_path(PICTURES_DIR, self._model))
+            self._queue_upload(path, artifact_path(PICTURES_DIR, self._model), None)
 
-    def _queue_upload(self, path: Path, artifact_dir: str) -> None:
-        if (path, artifact_dir) not in self._uploads:
-            self._uploads.append((path, artifact_dir))
+    def _queue_upload(self, path: Path, artifact_dir: str, item: int | None) -> None:
+        """Upload ``path`` (once, however often it changes before it goes out)."""
+        for i, queued in enumerate(self._uploads):
+            if (queued.path, queued.artifact_dir) == (path, artifact_dir):
+                if queued.item is None:
+                    self._uploads[i] = queued._replace(item=item)
+                return
+        self._uploads.append(_Upload(path, artifact_dir, item))
 
     # -- sending ---------------------------------------------------------------------------
     def _send_due(self) -> bool:
@@ -309,7 +380,7 @@ class MlflowSink:
                 if done:
                     self._pending.popleft()
             return
-        path, artifact_dir = self._uploads[0]
+        path, artifact_dir, _ = self._uploads[0]
         if self._artifact_uri is None:
             self._artifact_uri = tracking.artifact_uri(self.run_id)
         tracking.log_artifact(self.run_id, self._artifact_uri, path, artifact_dir)
@@ -342,7 +413,7 @@ class MlflowSink:
         if self._pending:
             metrics = self._pending[0].metrics
             return f"the metrics of step {metrics[0][3]}" if metrics else "a batch of alert tags"
-        return f"the file {self._uploads[0][0].name}" if self._uploads else "nothing"
+        return f"the file {self._uploads[0].path.name}" if self._uploads else "nothing"
 
     def _drop_head(self) -> None:
         if self._pending:
@@ -418,23 +489,49 @@ def read_histograms(
 def read_alerts(
     run_id: str, tracking_uri: str | None = None, model_name: str | None = None
 ) -> list[AlertEvent]:
-    """The alert events gradtrack stored in an MLflow run's ``gradtrack/alerts.jsonl``."""
+    """The alert events gradtrack stored in an MLflow run's ``gradtrack/alerts.jsonl`` (and
+    the ``alerts-<time>.jsonl`` of a delivery `gradtrack sync` resumed), in step order."""
     require_module("mlflow", "mlflow")
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
     client = MlflowClient(tracking_uri)
     folder = artifact_path(ALERTS_DIR, model_name)
-    names = {f.path for f in client.list_artifacts(run_id, folder)}
-    if f"{folder}/{ALERTS_FILE}" not in names:
-        return []
+    names = sorted(
+        f.path
+        for f in client.list_artifacts(run_id, folder)
+        if Path(f.path).name.startswith("alerts") and f.path.endswith(".jsonl")
+    )
+    events: list[AlertEvent] = []
     with tempfile.TemporaryDirectory() as directory:
-        local = download_artifacts(
-            run_id=run_id, artifact_path=f"{folder}/{ALERTS_FILE}", dst_path=directory,
-            tracking_uri=tracking_uri,
-        )  # fmt: skip
-        lines = Path(local).read_text().splitlines()
-    return [AlertEvent.model_validate(json.loads(line)) for line in lines if line]
+        for name in names:
+            local = download_artifacts(
+                run_id=run_id, artifact_path=name, dst_path=directory, tracking_uri=tracking_uri
+            )
+            lines = Path(local).read_text().splitlines()
+            events += [AlertEvent.model_validate(json.loads(line)) for line in lines if line]
+    # One copy of each: a resumed delivery may repeat the last alerts before a crash.
+    unique = {event.model_dump_json(): event for event in events}
+    return sorted(unique.values(), key=lambda event: event.step)
+
+
+def _portable_uri(uri: str | None) -> str | None:
+    """``uri`` as another process in another folder can use it: credentials dropped (MLflow
+    takes them from its variables), a relative sqlite or file store made absolute.
+
+    >>> _portable_uri("http://alice:pw@mlflow.example:5000")
+    'http://mlflow.example:5000'
+    >>> _portable_uri("sqlite:////data/mlflow.db")
+    'sqlite:////data/mlflow.db'
+    """
+    if uri is None:
+        return None
+    uri = re.sub(r"^([a-zA-Z][a-zA-Z0-9+.\-]*://)[^/@\s]+@", r"\1", uri)
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+    if "://" not in uri:
+        return str(Path(uri).resolve())
+    return uri
 
 
 def _warn(message: str) -> None:

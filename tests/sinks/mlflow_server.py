@@ -62,10 +62,18 @@ class MlflowServer:
 
     def freeze(self, seconds: float) -> None:
         """Stop the server's processes (SIGSTOP) for ``seconds``, then let them go on."""
+        self.pause()
+        time.sleep(seconds)
+        self.resume()
+
+    def pause(self) -> None:
+        """Stop the server's processes (SIGSTOP) until `resume`."""
         assert self.process is not None
         os.killpg(self.process.pid, signal.SIGSTOP)
-        time.sleep(seconds)
-        os.killpg(self.process.pid, signal.SIGCONT)
+
+    def resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGCONT)
 
     def restart(self, after_s: float) -> None:
         """Kill the server, and start it again on the same store after ``after_s``."""

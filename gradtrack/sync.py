@@ -1,0 +1,100 @@
+"""``gradtrack sync``: deliver what a run left in its spool, each item once, to its tracker.
+
+A run leaves items behind when its tracker was away at close or the process died (killed,
+out of memory, no `close()` within ``flush_timeout_s``). Sync reads the spool's record of
+each sink's run, resumes from that sink's cursor, and deletes the spool once every sink has
+confirmed everything. Items a tracker had already taken just before a crash (after its
+cursor was last saved) are sent again; MLflow keeps one copy of an identical metric, and
+gradtrack's readers drop repeated alert lines.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradtrack.courier import SpooledCourier, TrackerSink
+from gradtrack.errors import GradtrackError
+from gradtrack.redact import redact
+from gradtrack.spool import Spool, SpoolError
+
+# How a run that never said how it ended (its process died) is marked: MLflow's status for
+# a run that was stopped from outside.
+UNKNOWN_OUTCOME = "KILLED"
+
+
+@dataclass
+class SyncResult:
+    path: Path
+    delivered: dict[str, int]  # sink id → items delivered now
+    left: int  # items some sink still has not confirmed (0: the spool was removed)
+    runs: dict[str, str]  # sink id → where its items went, in words
+
+
+def spools_under(path: Path) -> Iterator[Path]:
+    """``path`` itself if it is a spool, else the spools inside it (oldest first)."""
+    if (path / "spool.json").exists():
+        yield path
+        return
+    if not path.is_dir():
+        raise GradtrackError(f"{path} is neither a gradtrack spool nor a folder of spools")
+    yield from sorted(p for p in path.iterdir() if (p / "spool.json").exists())
+
+
+def resume_sink(target: dict[str, Any], outcome: str, timeout_s: float) -> TrackerSink:
+    """The sink that reaches the run a spool's items were meant for."""
+    backend = target.get("backend")
+    if backend == "mlflow":
+        from gradtrack.sinks.mlflow import MlflowSink
+
+        return MlflowSink.from_spool_target(target, outcome, flush_timeout_s=timeout_s)
+    raise GradtrackError(f"gradtrack sync cannot deliver to backend {backend!r}; it knows: mlflow")
+
+
+def sync(path: Path, timeout_s: float = 300.0, say: Callable[[str], None] = print) -> SyncResult:
+    """Deliver every item of the spool at ``path`` its sinks have not confirmed."""
+    try:
+        meta = Spool.meta_of(path)
+        spool = Spool(path, max_bytes=1 << 62)
+    except SpoolError as exc:
+        raise GradtrackError(str(exc)) from None
+    outcome = meta.get("outcome") or UNKNOWN_OUTCOME
+    delivered: dict[str, int] = {}
+    runs: dict[str, str] = {}
+    try:
+        for sink_id, target in meta["sinks"].items():
+            before = spool.cursor(sink_id)
+            if before >= spool.last_seq:
+                continue
+            sink = resume_sink(target, outcome, timeout_s)
+            errors: list[str] = []
+            courier = SpooledCourier(sink, spool, sink_id, errors.append, start=False)
+            courier.announce(spool.last_seq)
+            finished = [courier.post_after("flush"), courier.post_after("close")]
+            thread = threading.Thread(target=courier.run_here, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + timeout_s
+            for event in finished:
+                event.wait(max(0.0, deadline - time.monotonic()))
+            delivered[sink_id] = spool.cursor(sink_id) - before
+            runs[sink_id] = _describe(Spool.meta_of(path)["sinks"][sink_id])
+            for message in errors:
+                say(redact(message))
+            say(f"{sink_id}: {delivered[sink_id]} item(s) delivered to {runs[sink_id]}")
+    finally:
+        left = spool.undelivered()
+        spool.close()
+    if left == 0:
+        spool.remove()
+    return SyncResult(path, delivered, left, runs)
+
+
+def _describe(target: dict[str, Any]) -> str:
+    return redact(
+        f"{target.get('backend')} run {target.get('run_id') or '(new)'} at "
+        f"{target.get('tracking_uri') or 'the default store'}"
+    )
