@@ -4,7 +4,9 @@
 >>> GradtrackCallback(log_every=50)
 <GradtrackCallback log_every=50>
 
-One record per optimizer step (``state.global_step``), taken at the end of the backward pass
+One record per optimizer step, numbered as the Trainer numbers it: the step that the
+Trainer then logs as ``global_step`` k (its loss, its ``grad_norm``) is gradtrack's step k, so
+both line up in the tracker. The record is taken at the end of the backward pass
 that completes it (the last micro-batch of gradient accumulation): the gradients the model
 produced, *before* the Trainer clips them (it clips at ``max_grad_norm=1.0`` by default, and a
 clipped gradient never looks like it exploded). Under fp16 mixed precision with a GradScaler
@@ -60,7 +62,9 @@ class GradtrackCallback(CallbackOptions, TrainerCallback):
             default_backend=lambda: _sinks_of(args),
             scaler=scaler,
             steps="auto" if scaler is not None else _last_micro_batch(),
-            first_step=state.global_step,
+            # The Trainer counts a step once its optimizer has stepped (global_step 1 is the
+            # first update) and logs it under that number; gradtrack's step ends before it.
+            first_step=state.global_step + 1,
         )
 
     def on_train_end(

@@ -53,6 +53,7 @@ class GradientsSeen(TrainerCallback):  # type: ignore[misc]
         self.model: torch.nn.Module | None = None
         self.steps: list[dict[str, dict[str, float]]] = []
         self.logs: list[dict[str, float]] = []
+        self.global_steps: list[int] = []  # the Trainer's number of each optimizer step
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any):
         self.model = model
@@ -66,6 +67,9 @@ class GradientsSeen(TrainerCallback):  # type: ignore[misc]
                 for name in ("transformer.wte", "transformer.h.0.attn.c_attn", "transformer.ln_f")
             }
         )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self.global_steps.append(state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
         if logs and "grad_norm" in logs:
@@ -107,7 +111,10 @@ def test_records_per_optimizer_step_keyed_by_module_names(tmp_path: Path) -> Non
     assert "lm_head" not in names  # tied to transformer.wte: counted once, under its owner
     # A LayerNorm beside a Linear is healthy flow, not a "jump" (compared per element).
     assert [event.rule for event in sink.events if event.rule == "jump"] == []
-    assert [r.step for r in sink.records] == list(range(STEPS))  # micro-batches don't count
+    # One record per optimizer step (micro-batches don't count), numbered as the Trainer
+    # numbers that step: its global_step.
+    assert seen.global_steps == list(range(1, STEPS + 1))
+    assert [r.step for r in sink.records] == seen.global_steps
     for record, expected in zip(sink.records, seen.steps):
         stats = record.layer_stats()
         assert set(expected) <= set(stats)
@@ -146,7 +153,7 @@ def test_report_to_wandb_writes_into_the_trainers_run(offline_wandb: Path) -> No
 
     rows = wandb_records.history(wandb_records.read_records(run_dir))
     logged = [row for row in rows if "grad_norm/transformer.h.0.attn.c_attn" in row]
-    assert [row["gradtrack/step"] for row in logged] == [0, 2]
+    assert [row["gradtrack/step"] for row in logged] == [2, 4]  # the Trainer's global steps
     assert any("train/loss" in row for row in rows)  # the Trainer's own metrics, same run
 
 
@@ -164,8 +171,8 @@ def test_report_to_mlflow_writes_into_the_trainers_run(
     assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id])
     history = client.get_metric_history(run.info.run_id, "grad_norm/transformer.ln_f")
-    assert [m.step for m in history] == list(range(STEPS))
-    assert client.get_metric_history(run.info.run_id, "loss")
+    loss = client.get_metric_history(run.info.run_id, "loss")  # the Trainer's, at global_step
+    assert [m.step for m in history] == [m.step for m in loss] == list(range(1, STEPS + 1))
 
 
 def test_a_resumed_run_continues_the_trainers_step_axis(tmp_path: Path) -> None:
@@ -178,7 +185,7 @@ def test_a_resumed_run_continues_the_trainers_step_axis(tmp_path: Path) -> None:
         tmp_path, GradtrackCallback(sink, log_every=1, hist_every=None),
         resume_from_checkpoint=str(checkpoint),
     )  # fmt: skip
-    assert [r.step for r in sink.records] == [2, 3]  # global steps 2 and 3, not 0 and 1
+    assert [r.step for r in sink.records] == [3, 4]  # the global steps after checkpoint-2
 
 
 def test_trainer_ddp_under_torchrun_rank0_writes_synchronized_gradients(tmp_path: Path) -> None:
