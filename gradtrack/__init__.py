@@ -17,6 +17,7 @@ import torch
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.disabled import DisabledWatcher
 from gradtrack.distributed import writes_to_sinks
 from gradtrack.errors import GradientAlertError, GradtrackConfigError, GradtrackError
 from gradtrack.histogram import Histogram
@@ -60,6 +61,11 @@ def watch(
     resolved = load_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
         raise GradtrackError(f"gradtrack.watch needs a torch.nn.Module, not {type(model).__name__}")
+    if isinstance(backend, torch.optim.Optimizer):
+        raise GradtrackError(
+            f"the second argument of gradtrack.watch is the backend, and got a "
+            f"{type(backend).__name__}: did you mean gradtrack.watch(model, optimizer=optimizer)?"
+        )
     return _open_watcher(
         model, lambda: backend, resolved,
         optimizer=optimizer, scaler=scaler, on_alert=on_alert, steps=steps,
@@ -73,7 +79,10 @@ def _open_watcher(
     **options: Any,
 ) -> Watcher:
     """Sinks from ``backend()`` where this process writes (see `writes_to_sinks`), then the
-    `Watcher`; if that fails, the sinks it would have used are closed."""
+    `Watcher`; if that fails, the sinks it would have used are closed. Switched off
+    (``enabled=False``), a `DisabledWatcher`: no sink is made, nothing touches the model."""
+    if not config.enabled:
+        return DisabledWatcher(model, config)
     sinks = _build_sinks(backend(), config) if writes_to_sinks(config) else []
     try:
         return Watcher(model, sinks, config, **options)

@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import sys
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -37,6 +38,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 ENV_PREFIX = "GRADTRACK_"
 ENV_CONFIG_FILE = "GRADTRACK_CONFIG"
+ENV_DISABLED = "GRADTRACK_DISABLED"  # the off switch: sets enabled=False
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 ConfigSource = Union["GradtrackConfig", Mapping[str, Any], str, os.PathLike, None]
 # No timeout or interval is meant to be longer: an infinite one would hang close() forever.
@@ -141,6 +144,11 @@ class GradtrackConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
+    enabled: bool = Field(
+        True,
+        description="False (or GRADTRACK_DISABLED=1): watch() adds no hook, makes no sink and "
+        "writes nothing, so a script keeps its watch line where gradtrack should stay off.",
+    )
     log_every: PositiveInt = Field(10, description="Summarise every N-th step (step 0 included).")
     hist_every: PositiveInt | None = Field(
         100, description="Sample gradients for histograms every N-th step; None turns them off."
@@ -342,13 +350,29 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     """
     values: dict[str, Any] = {}
     for name, raw in environ.items():
-        if name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
+        if name == ENV_DISABLED:
+            values["enabled"] = not _switch(name, raw)
+        elif name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
             path = name[len(ENV_PREFIX) :].lower().split("__")
             target = values
             for part in path[:-1]:
                 target = target.setdefault(part, {})
             target[path[-1]] = _env_value(path[-1], raw)
     return values
+
+
+def _switch(name: str, raw: str) -> bool:
+    """An on/off environment variable's value.
+
+    >>> _switch("GRADTRACK_DISABLED", " Yes "), _switch("GRADTRACK_DISABLED", "0")
+    (True, False)
+    """
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise GradtrackConfigError(
+            f"{name}={raw!r} is not a switch: use one of {', '.join(_TRUE + _FALSE[:-1])}"
+        )
+    return value in _TRUE
 
 
 def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
@@ -418,14 +442,45 @@ def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
         field = ".".join(str(part) for part in item["loc"])
         where = origin.get(str(item["loc"][0]), "?")
         if item["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(field, FIELDS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            section, known = _section_fields(item["loc"][:-1])
+            close = difflib.get_close_matches(str(item["loc"][-1]), known, n=1)
+            hint = f"; did you mean {'.'.join([*section, close[0]])!r}?" if close else ""
+            of = f" of {'.'.join(section)}" if section else ""
             lines.append(
-                f"  unknown field {field!r} (from {where}){hint} Known fields: {', '.join(FIELDS)}"
+                f"  unknown field {field!r} (from {where}){hint} "
+                f"Known fields{of}: {', '.join(known)}"
             )
         else:
             lines.append(f"  {field} = {item['input']!r} (from {where}): {item['msg']}")
     return "\n".join(lines)
+
+
+def _section_fields(loc: tuple[int | str, ...]) -> tuple[list[str], tuple[str, ...]]:
+    """The section a misspelt field sits in, and that section's own fields: a typo in
+    ``alerts.exploding`` is answered with the exploding rule's fields, not the top level's.
+
+    >>> section, known = _section_fields(("alerts", "exploding"))
+    >>> section, "threshold" in known, "log_every" in known
+    (['alerts', 'exploding'], True, False)
+    """
+    model: type[BaseModel] = GradtrackConfig
+    section: list[str] = []
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        nested = _model_in(field.annotation) if field is not None else None
+        if nested is None:
+            break
+        model = nested
+        section.append(str(part))
+    return section, tuple(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (``X`` or ``X | None``), if any."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 _SECRET_NAME_PARTS = ("password", "passwd", "token", "secret", "key", "auth")

@@ -184,3 +184,23 @@ def test_a_worker_that_dies_mocked_says_why_and_training_and_close_go_on() -> No
         model(torch.randn(2, 3)).sum().backward()
     watcher.close()  # returns
     assert watcher.dropped_steps >= 100
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "suggestion", "section_field"),
+    [
+        ({"alerts": {"exploding": {"treshold": 5}}}, "alerts.exploding.treshold",
+         "alerts.exploding.threshold", "cooldown_steps"),
+        ({"mlflow": {"experiment_name": "x"}}, "mlflow.experiment_name",
+         "mlflow.experiment", "tracking_uri"),
+    ],
+)  # fmt: skip
+def test_a_nested_typo_lists_its_sections_fields_and_suggests_the_closest(
+    overrides: dict[str, object], field: str, suggestion: str, section_field: str
+) -> None:
+    with pytest.raises(GradtrackConfigError) as error:
+        load_config(overrides=overrides, environ={})
+    message = str(error.value)
+    assert f"unknown field {field!r}" in message and f"did you mean {suggestion!r}" in message
+    known = message.split("Known fields of ")[1]
+    assert section_field in known and "log_every" not in known  # not the 30 top-level ones

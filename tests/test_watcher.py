@@ -313,3 +313,10 @@ def test_a_sink_error_quoting_its_uri_is_reported_without_the_password() -> None
     messages = [str(w.message) for w in caught]
     assert any("http://***@tracker.example" in m for m in messages)
     assert not any("hunter2" in m for m in messages)
+
+
+def test_an_optimizer_given_as_the_backend_asks_for_optimizer_keyword(cnn: nn.Module) -> None:
+    optimizer = torch.optim.Adam(cnn.parameters())
+    with pytest.raises(gradtrack.GradtrackError, match=r"Adam: did you mean .*optimizer=optim"):
+        gradtrack.watch(cnn, optimizer)  # type: ignore[arg-type]
+    gradtrack.watch(cnn, optimizer=optimizer, backend="memory").close()  # nothing left behind
