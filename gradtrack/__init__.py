@@ -21,6 +21,8 @@ from gradtrack.disabled import DisabledWatcher
 from gradtrack.distributed import writes_to_sinks
 from gradtrack.errors import GradientAlertError, GradtrackConfigError, GradtrackError
 from gradtrack.histogram import Histogram
+from gradtrack.layers import unwrap_model
+from gradtrack.log import logger, show_in_terminal
 from gradtrack.record import LayerStats, StepRecord
 from gradtrack.rules import AlertRules
 from gradtrack.sinks import GradientSink, create_sink, register_sink
@@ -81,15 +83,24 @@ def _open_watcher(
     """Sinks from ``backend()`` where this process writes (see `writes_to_sinks`), then the
     `Watcher`; if that fails, the sinks it would have used are closed. Switched off
     (``enabled=False``), a `DisabledWatcher`: no sink is made, nothing touches the model."""
+    show_in_terminal()
     if not config.enabled:
+        logger.info("off (enabled=False or GRADTRACK_DISABLED=1): nothing is watched")
         return DisabledWatcher(model, config)
     sinks = _build_sinks(backend(), config) if writes_to_sinks(config) else []
     try:
-        return Watcher(model, sinks, config, **options)
+        watcher = Watcher(model, sinks, config, **options)
     except BaseException:
         for sink in sinks:
             sink.close()
         raise
+    if sinks:
+        logger.info(
+            "watching %d layers of %s, every %d steps, into %s",
+            len(watcher.layer_names), type(unwrap_model(model)).__name__, config.log_every,
+            ", ".join(type(sink).__name__ for sink in sinks),
+        )  # fmt: skip
+    return watcher
 
 
 def unwatch(model: torch.nn.Module) -> None:

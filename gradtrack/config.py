@@ -84,6 +84,12 @@ class MlflowOptions(BaseModel):
     )
     experiment: str = Field("gradtrack", description="Experiment of a run gradtrack starts.")
     run_name: str | None = Field(None, description="Name of a run gradtrack starts.")
+    share_run: bool = Field(
+        True,
+        description="With no active run, start gradtrack's run at watch() as MLflow's active "
+        "run in that thread, so your own mlflow.log_metric/log_param land in it (one run). "
+        "False: gradtrack's run is started by its worker and is gradtrack's alone.",
+    )
     request_timeout_s: float = Field(
         10.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Timeout of one request."
     )

@@ -35,6 +35,7 @@ from gradtrack.layers import (
     saturating_layers,
     unwrap_model,
 )
+from gradtrack.log import logger
 from gradtrack.origin import OriginProbe, nonfinite_weight_layers
 from gradtrack.schedule import layer_schedule
 from gradtrack.sinks.base import GradientSink
@@ -481,6 +482,25 @@ class Watcher:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        self._after_sinks_closed()
+
+    def _after_sinks_closed(self) -> None:
+        """In the caller's thread (MLflow's active run is per thread): a run the MLflow sink
+        shared with the user's own ``mlflow.*`` calls is ended there too; then one line says
+        how to draw the run's report."""
+        commands = []
+        for sink in self.sinks:
+            try:
+                end_shared_run = getattr(sink, "end_shared_run", None)
+                if end_shared_run is not None:
+                    end_shared_run()
+                command = getattr(sink, "report_command", lambda: None)()
+                if command:
+                    commands.append(command)
+            except Exception as exc:  # watching must never crash training
+                report(f"gradtrack could not finish with {type(sink).__name__}: {exc!r}")
+        report_line = f"; its report: {' ; '.join(commands)}" if commands else ""
+        logger.info("closed after %d steps%s", self.step, report_line)
 
     def __enter__(self) -> Watcher:
         return self

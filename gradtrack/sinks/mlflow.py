@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.histogram_store import HistogramEntry, read_chunks, write_chunk
+from gradtrack.log import logger
 from gradtrack.record import StepRecord, metric_key, safe_key, scalar_metrics
 from gradtrack.redact import redact
 from gradtrack.sinks.base import require_module
@@ -102,6 +103,9 @@ class MlflowSink:
         self.options = self.config.mlflow
         self.tracking_uri = self.options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         self.run_id = run_id
+        self.owns_run = False
+        # The run is also MLflow's active run in the thread that made this sink (the user's).
+        self.shares_run = False
         if run_id is None and "mlflow" in sys.modules:  # only then can a run be active
             import mlflow
 
@@ -109,12 +113,13 @@ class MlflowSink:
             if active is not None:  # captured here: MLflow's active run is per thread
                 self.run_id = active.info.run_id
                 self.tracking_uri = self.tracking_uri or mlflow.get_tracking_uri()
-        self.owns_run = False
+                self.shares_run = True
         # How the run ends, when gradtrack started it: FINISHED, or FAILED / KILLED when
         # training raised or was interrupted (set by the watcher before close()).
         self.outcome = "FINISHED"
         self.dropped = 0
         self.failures = 0
+        self._ended = False  # gradtrack ended the run it started
         self._tracking: Tracking | None = None
         self._artifact_uri: str | None = None
         self._pending: deque[_Step] = deque()
@@ -140,6 +145,64 @@ class MlflowSink:
         from gradtrack.report.live import Pictures
 
         self._pictures = Pictures(self.options.pictures, self.options.pictures_every)
+        if run_id is None and self.run_id is None and self.config.mlflow.share_run:
+            self._start_shared_run()
+        if self.shares_run and not self.owns_run:
+            logger.info("%s", self._where())
+
+    def _start_shared_run(self) -> None:
+        """Start gradtrack's run now, in the caller's thread, and make it MLflow's active run
+        there (its fluent API): the user's own ``mlflow.log_metric`` / ``log_param`` land in
+        the same run, not in a second one. Only where the fluent API points at the same store;
+        a store that cannot be reached now leaves the run to the first write, as before."""
+        import mlflow
+
+        if self.tracking_uri not in (None, mlflow.get_tracking_uri()):
+            logger.info(
+                "gradtrack logs to MLflow at %s; mlflow.* calls of your own go to %s",
+                redact(self.tracking_uri or ""), redact(mlflow.get_tracking_uri()),
+            )  # fmt: skip
+            return
+        try:
+            self._start_run(self._connection())
+            mlflow.start_run(run_id=self.run_id)
+        except Exception as exc:
+            _warn(
+                f"gradtrack could not start its MLflow run now ({exc!r}); it starts it at "
+                "its first write, and your own mlflow.* calls go to a run of their own"
+            )
+            return
+        self.shares_run = True
+        logger.info("%s", self._where())
+
+    def _where(self) -> str:
+        """One line: which run, and how to look at it."""
+        uri = self.tracking_uri or ""
+        look = (
+            f"open {uri}" if uri.startswith(("http://", "https://"))
+            else f"look with: mlflow ui --backend-store-uri {uri}"
+        )  # fmt: skip
+        own = "your active run" if not self.owns_run else "started by gradtrack"
+        shared = "; your own mlflow.log_* calls land in it too" if self.shares_run else ""
+        return redact(f"MLflow run {self.run_id} ({own}{shared}) at {uri}; {look}")
+
+    def report_command(self) -> str | None:
+        """The command that draws this run's gradient-flow report (the watcher logs it)."""
+        if self.run_id is None:
+            return None
+        return f"gradtrack report {self.run_id} --tracking-uri {_portable_uri(self.tracking_uri)}"
+
+    def end_shared_run(self) -> None:
+        """Called by the watcher's close in the thread that made the sink: a run gradtrack
+        started and already ended is no longer MLflow's active run there (the user's next
+        ``mlflow.start_run`` starts a new one). A run still owed steps stays active."""
+        if not (self.shares_run and self.owns_run and self._ended):
+            return
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == self.run_id:
+            mlflow.end_run(self.outcome)
 
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:
@@ -210,6 +273,7 @@ class MlflowSink:
         """The sink `gradtrack sync` delivers a spool's items with: the same run (or, if
         it was never created, a new one)."""
         options = {**target.get("options", {}), "tracking_uri": target.get("tracking_uri")}
+        options["share_run"] = False  # no user's thread to share a run with
         if options["tracking_uri"] is None and target.get("cwd"):
             os.chdir(target["cwd"])  # MLflow's default store is relative to the folder
         config = GradtrackConfig(
@@ -246,6 +310,7 @@ class MlflowSink:
         if self.owns_run and self.run_id is not None and not self._pending:
             try:
                 self._connection().end_run(self.run_id, self.outcome)
+                self._ended = True
             except Exception as exc:
                 _warn(f"gradtrack could not end MLflow run {self.run_id}: {exc!r}")
         if self._pending or self._uploads:
@@ -371,6 +436,7 @@ class MlflowSink:
         tracking = self._connection()
         if self.run_id is None:
             self._start_run(tracking)
+            logger.info("%s", self._where())
         assert self.run_id is not None
         if self._pending:
             metrics, tags, plan = self._next_request()
