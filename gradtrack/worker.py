@@ -25,6 +25,7 @@ from gradtrack.sinks.base import GradientSink
 from gradtrack.spool import Spool, default_root
 
 logger = logging.getLogger("gradtrack")
+_LOG_LEVEL = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
 Outcome = Literal["FINISHED", "FAILED", "KILLED"]
@@ -267,12 +268,15 @@ class Worker:
         action = self.assembler.alert_engine.rule(event.rule, event.layer).action
         if event.severity == "info":
             action = "log"
+        # Each event reaches the terminal once: as a warning where the rule asks for one, else
+        # as a logging record at its severity (a raise is the training thread's exception).
         if action == "warn":
-            logger.warning("%s", event.message)
             try:
                 warnings.warn(event.message, GradientWarning, stacklevel=2)
             except Exception:  # warnings turned into errors must not kill the worker thread
                 pass
+        elif action == "log":
+            logger.log(_LOG_LEVEL[event.severity], "%s", event.message)
         if self._on_alert is not None:
             try:
                 self._on_alert(event)

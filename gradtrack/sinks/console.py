@@ -64,16 +64,16 @@ class ConsoleSink:
                 self._shown_nonfinite |= bool(first_bad)
 
     def _print(self, record: StepRecord) -> None:
-        stream = self.stream or sys.stdout
-        print(format_table(record), file=stream, flush=True)
+        _write(format_table(record), self.stream or sys.stdout)
         self._last_print = time.monotonic()
         self._printed_latest = record is self._latest
 
     def alert(self, event: AlertEvent) -> None:
-        # Alerts are never rate-limited here: each rule has its own cooldown.
-        stream = self.stream or sys.stdout
-        print(f"gradtrack {event.severity.upper()} at step {event.step}: {event.message}",
-              file=stream, flush=True)  # fmt: skip
+        """Only with a ``stream`` of its own: otherwise every alert already reaches the
+        terminal once, as a `logging` record or a warning (see the rule's ``action``)."""
+        if self.stream is not None:
+            _write(f"gradtrack {event.severity.upper()} at step {event.step}: {event.message}",
+                   self.stream)  # fmt: skip
 
     def flush(self) -> None:
         pass
@@ -81,3 +81,15 @@ class ConsoleSink:
     def close(self) -> None:
         if self._latest is not None and not self._printed_latest:
             self._print(self._latest)
+
+
+def _write(text: str, stream: TextIO) -> None:
+    """Print ``text`` on lines of its own: through ``tqdm.write`` while tqdm is in use (it
+    clears and redraws its bars around the text, where a plain print would land in the middle
+    of a bar's line)."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None:
+        tqdm.tqdm.write(text, file=stream)
+        stream.flush()
+    else:
+        print(text, file=stream, flush=True)

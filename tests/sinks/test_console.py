@@ -13,6 +13,7 @@ from gradtrack.sinks import ConsoleSink
 
 def run(interval_s: float, steps: int, nan_at: int | None = None) -> str:
     stream = io.StringIO()
+    torch.manual_seed(0)  # a random init whose ReLUs all die would make max |g| exactly 0
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     sink = ConsoleSink(interval_s=interval_s, stream=stream)
