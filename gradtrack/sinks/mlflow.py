@@ -193,16 +193,29 @@ class MlflowSink:
         return f"gradtrack report {self.run_id} --tracking-uri {_portable_uri(self.tracking_uri)}"
 
     def end_shared_run(self) -> None:
-        """Called by the watcher's close in the thread that made the sink: a run gradtrack
-        started and already ended is no longer MLflow's active run there (the user's next
-        ``mlflow.start_run`` starts a new one). A run still owed steps stays active."""
-        if not (self.shares_run and self.owns_run and self._ended):
+        """Called by the watcher's close in the thread that made the sink: the run gradtrack
+        started stops being MLflow's active run there, so the user's next ``mlflow.start_run``
+        (or the next ``watch``) starts a new run instead of writing into this one. A run
+        gradtrack ended is ended there the fluent way; one still owed steps (a close that
+        timed out, a spool left for ``gradtrack sync``) keeps its status and is only let go."""
+        if not (self.shares_run and self.owns_run):
             return
         import mlflow
 
         active = mlflow.active_run()
-        if active is not None and active.info.run_id == self.run_id:
+        if active is None or active.info.run_id != self.run_id:
+            return  # the user ended it, or started another on top
+        if self._ended:
             mlflow.end_run(self.outcome)
+            return
+        # MLflow's only public way out, end_run, also marks the run ended (with its client's
+        # minutes-long retries when the server is away): take it off this thread's stack of
+        # active runs instead (mlflow.tracking.fluent, checked with mlflow 3.17).
+        from mlflow.tracking import fluent
+
+        stack = fluent._active_run_stack.get()
+        if stack and stack[-1].info.run_id == self.run_id:
+            stack.pop()
 
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:

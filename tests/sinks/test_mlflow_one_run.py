@@ -56,6 +56,28 @@ def test_users_log_metric_lands_in_gradtracks_run(
     mlflow.set_tracking_uri(None)
 
 
+def test_a_run_left_undelivered_is_let_go_so_the_next_run_is_new(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path).start()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    try:
+        model = nn.Linear(3, 1)
+        watcher = gradtrack.watch(
+            model, backend="mlflow", log_every=1, flush_timeout_s=2.0,
+            mlflow={"request_timeout_s": 1.0, "retry_max_s": 1.0},
+        )  # fmt: skip
+        first = watcher.sinks[0].run_id
+        assert mlflow.active_run().info.run_id == first
+        server.stop()  # the close cannot deliver, nor end the run
+        with pytest.warns(RuntimeWarning):
+            model(torch.randn(2, 3)).sum().backward()
+            watcher.close()
+        assert mlflow.active_run() is None  # no later run writes into the stale one
+    finally:
+        server.stop()
+
+
 def test_a_script_without_logging_setup_shows_the_run_and_the_report_command(
     tmp_path: Path,
 ) -> None:
