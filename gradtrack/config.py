@@ -169,6 +169,14 @@ class GradtrackConfig(BaseModel):
     granularity: Literal["layer", "parameter"] = Field(
         "layer", description="Summarise per module that owns parameters, or per parameter."
     )
+    layer_keys: Literal["path", "depth"] = Field(
+        "path",
+        description="How layers are named in keys, records and events: 'path', the module path "
+        "(a Sequential's 0, 2, … 10, which trackers sort as text: 0, 10, 2); 'depth', the "
+        "path after its zero-padded position in model order (00_0, 01_2, … 11_22 for twelve "
+        "layers), so trackers list layers by depth. The default keeps the keys runs "
+        "already have.",
+    )
     include: tuple[str, ...] = Field((), description="Glob patterns of layer names to watch.")
     exclude: tuple[str, ...] = Field((), description="Glob patterns of layer names to skip.")
     module_types: tuple[type[torch.nn.Module], ...] = Field(

@@ -126,7 +126,22 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
     # The root module's own parameters are named `ROOT_LAYER_NAME`, not by a module path.
     exact = [id(layer) not in root_own for layer in selected]
     distinct = distinct_names([layer.name for layer in selected], exact)
+    if config.layer_keys == "depth":
+        distinct = depth_ordered(distinct)
     return [replace(layer, name=name) for layer, name in zip(selected, distinct)]
+
+
+def depth_ordered(names: Sequence[str]) -> list[str]:
+    """``names`` after their zero-padded position, so that sorting them as text (what the
+    trackers' UIs do) keeps model order (``layer_keys="depth"``).
+
+    >>> depth_ordered(["0", "2", "10"])
+    ['0_0', '1_2', '2_10']
+    >>> depth_ordered([str(i) for i in range(11)])[-2:]
+    ['09_9', '10_10']
+    """
+    width = len(str(len(names) - 1))
+    return [f"{i:0{width}d}_{name}" for i, name in enumerate(names)]
 
 
 def distinct_names(names: Sequence[str], exact: Sequence[bool] | None = None) -> list[str]:

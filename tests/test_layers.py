@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import gradtrack
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.layers import discover_layers
@@ -103,3 +104,21 @@ def test_layers_that_would_share_a_metric_key_get_distinct_keys() -> None:
         2 * metrics["grad_norm/heads.task_a-2"], rel=1e-6
     )
     assert metrics["grad_norm/root-2"] == pytest.approx(model.gain.grad.abs().item(), rel=1e-6)
+
+
+def test_depth_keys_sort_as_text_in_model_order_and_path_keys_stay() -> None:
+    layers = [m for i in range(12) for m in (nn.Linear(4, 4), nn.ReLU())]
+    model = nn.Sequential(*layers)
+    depth, path = gradtrack.sinks.MemorySink(), gradtrack.sinks.MemorySink()
+    for sink, keys in ((depth, "depth"), (path, "path")):
+        with gradtrack.watch(model, backend=sink, log_every=1, layer_keys=keys):
+            model(torch.randn(2, 4)).sum().backward()
+    norms = [key for key in depth.scalars() if key.startswith("grad_norm/")]
+    assert sorted(norms) == norms  # what a tracker's UI lists: layers by depth
+    assert norms[:3] == ["grad_norm/00_0", "grad_norm/01_2", "grad_norm/02_4"]
+    assert norms[-1] == "grad_norm/11_22"
+    assert [key for key in path.scalars() if key.startswith("grad_norm/")][:3] == [
+        "grad_norm/0",
+        "grad_norm/2",
+        "grad_norm/4",
+    ]  # fmt: skip  (the default: module paths, as before)
