@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradtrack.accumulation import AccumulationCheck
 from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.assemble import Assembler, FirstInWindow, PendingStep, report
 from gradtrack.collect import Collector, Guard
@@ -142,6 +143,7 @@ class Watcher:
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
         self._handles: list[RemovableHandle] = []
         self._scaler_tap: ScalerTap | None = None
+        self._accumulation: AccumulationCheck | None = None
         self._order_probe: BackwardOrderProbe | None = None
         self._activation_probe: ActivationProbe | None = None
         self._output_probe: OutputProbe | None = None
@@ -174,6 +176,9 @@ class Watcher:
             for param in self.collector.params:
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+            if self._steps == "auto":  # one step per backward: tell accumulation apart
+                self._accumulation = AccumulationCheck(self.collector.params)
+                self._handles.append(self._accumulation.handle)
         layer_of = {
             id(p): int(i) for p, i in zip(self.collector.params, self.collector.tensor_layer)
         }
@@ -273,6 +278,8 @@ class Watcher:
 
     def _step_boundary(self) -> None:
         step, self.step = self.step, self.step + 1
+        if self._accumulation is not None:
+            self._accumulation.backward()
         backward_order = self._finish_order_probe()
         logged, with_samples = self._is_due(step)
         guard = self._guard(step, exact=logged or with_samples)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -320,3 +321,32 @@ def test_an_optimizer_given_as_the_backend_asks_for_optimizer_keyword(cnn: nn.Mo
     with pytest.raises(gradtrack.GradtrackError, match=r"Adam: did you mean .*optimizer=optim"):
         gradtrack.watch(cnn, optimizer)  # type: ignore[arg-type]
     gradtrack.watch(cnn, optimizer=optimizer, backend="memory").close()  # nothing left behind
+
+
+def test_accumulation_without_optimizer_is_warned_once(cnn: nn.Module) -> None:
+    optimizer = torch.optim.SGD(cnn.parameters(), lr=0.01)
+    with pytest.warns(RuntimeWarning, match=r"4 backward passes before this SGD.step\(\)") as seen:
+        with gradtrack.watch(cnn, backend="memory"):  # no optimizer=: a step per backward
+            for _ in range(3):
+                for micro in range(4):
+                    images, labels = cnn_batch(seed=micro)
+                    nn.functional.cross_entropy(cnn(images), labels).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert len([w for w in seen if "backward passes" in str(w.message)]) == 1
+
+
+def test_one_backward_per_optimizer_step_without_optimizer_is_not_warned(cnn: nn.Module) -> None:
+    optimizer = torch.optim.SGD(cnn.parameters(), lr=0.01)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters())  # holds none of the watched params
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with gradtrack.watch(cnn, backend="memory") as watcher:
+            train(cnn, 3, optimizer)
+            other.step()
+            other.step()
+        for _ in range(2):
+            nn.functional.cross_entropy(cnn(cnn_batch()[0]), cnn_batch()[1]).backward()
+        optimizer.step()  # after close: the shared hook is gone
+    assert watcher.step == 3
+    assert [str(w.message) for w in seen if "backward passes" in str(w.message)] == []
