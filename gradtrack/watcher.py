@@ -38,6 +38,7 @@ from gradtrack.layers import (
 )
 from gradtrack.log import logger
 from gradtrack.origin import OriginProbe, nonfinite_weight_layers
+from gradtrack.replaced import ReplacementCheck
 from gradtrack.schedule import layer_schedule
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker import Mailbox, Outcome, Worker
@@ -179,6 +180,7 @@ class Watcher:
             if self._steps == "auto":  # one step per backward: tell accumulation apart
                 self._accumulation = AccumulationCheck(self.collector.params)
                 self._handles.append(self._accumulation.handle)
+        self._handles.extend(ReplacementCheck(unwrap_model(model)).handles)
         layer_of = {
             id(p): int(i) for p, i in zip(self.collector.params, self.collector.tensor_layer)
         }

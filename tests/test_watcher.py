@@ -350,3 +350,28 @@ def test_one_backward_per_optimizer_step_without_optimizer_is_not_warned(cnn: nn
         optimizer.step()  # after close: the shared hook is gone
     assert watcher.step == 3
     assert [str(w.message) for w in seen if "backward passes" in str(w.message)] == []
+
+
+def test_a_module_replaced_after_watch_is_warned_once() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with gradtrack.watch(model, backend="memory") as watcher:
+        with pytest.warns(RuntimeWarning, match=r"2 was assigned after gradtrack.watch") as seen:
+            model[2] = nn.Linear(4, 1)
+            model[0].bias = nn.Parameter(torch.zeros(4))
+        assert len(seen) == 1
+        model(torch.randn(2, 4)).sum().backward()
+    assert watcher.step == 1
+    model[2] = nn.Linear(4, 1)  # after close: nothing is watched, nothing said
+
+
+def test_a_parameter_unfrozen_later_without_optimizer_is_picked_up() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, log_every=1):
+        for step in range(3):
+            if step == 1:
+                model[0].requires_grad_(True)
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            model.zero_grad()
+    assert [r.layers for r in sink.records] == [("2",), ("0", "2"), ("0", "2")]
