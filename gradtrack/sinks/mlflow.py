@@ -8,6 +8,7 @@ the worker thread, at the first write.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -173,6 +174,10 @@ class MlflowSink:
             )
             return
         self.shares_run = True
+        # MLflow's own exit hook (registered when mlflow was imported) ends the active run
+        # FINISHED; ours, registered after it, runs first: the run ends as training ended.
+        atexit.unregister(_close_watchers_before_mlflow_exits)
+        atexit.register(_close_watchers_before_mlflow_exits)
         logger.info("%s", self._where())
 
     def _where(self) -> str:
@@ -538,6 +543,12 @@ class MlflowSink:
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._outage_reported = False
+
+
+def _close_watchers_before_mlflow_exits() -> None:
+    from gradtrack.watcher import close_open_watchers
+
+    close_open_watchers()
 
 
 def read_histograms(

@@ -113,3 +113,30 @@ def test_a_script_without_logging_setup_shows_the_run_and_the_report_command(
     )
     store = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     assert all_run_ids(store) == {run_id}
+
+
+def test_a_failed_script_whose_close_runs_out_of_time_is_not_marked_finished(
+    tmp_path: Path,
+) -> None:
+    """MLflow's own exit hook ends the active run FINISHED; gradtrack's runs before it."""
+    code = textwrap.dedent(
+        """
+        import torch, gradtrack
+        model = torch.nn.Linear(3, 1)
+        watcher = gradtrack.watch(model, backend="mlflow", log_every=1, flush_timeout_s=0.01)
+        print(watcher.sinks[0].run_id, flush=True)
+        for _ in range(5):
+            model(torch.randn(2, 3)).sum().backward()
+        raise ValueError("diverged")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GRADTRACK_"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert "ValueError: diverged" in done.stderr
+    run_id = done.stdout.split()[0]
+    run = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id)
+    assert run.info.status in ("RUNNING", "FAILED"), done.stderr  # never FINISHED
