@@ -20,6 +20,17 @@ from tests.sinks.mlflow_server import MlflowServer
 mlflow = pytest.importorskip("mlflow")
 
 
+def run_script(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter in ``cwd``: MLflow's embedded default store there, no
+    logging set up, as a user's script runs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GRADTRACK_"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
 def all_run_ids(client: mlflow.MlflowClient) -> set[str]:
     experiments = [e.experiment_id for e in client.search_experiments()]
     return {run.info.run_id for run in client.search_runs(experiments)}
@@ -94,12 +105,7 @@ def test_a_script_without_logging_setup_shows_the_run_and_the_report_command(
         print(watcher.sinks[0].run_id)
         """
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GRADTRACK_"))}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    done = run_script(code, tmp_path)
     assert done.returncode == 0, done.stderr
     run_id = done.stdout.split()[-1]
     lines = [line for line in done.stderr.splitlines() if line.startswith("[gradtrack]")]
@@ -130,12 +136,7 @@ def test_a_failed_script_whose_close_runs_out_of_time_is_not_marked_finished(
         raise ValueError("diverged")
         """
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GRADTRACK_"))}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    done = run_script(code, tmp_path)
     assert "ValueError: diverged" in done.stderr
     run_id = done.stdout.split()[0]
     run = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id)
