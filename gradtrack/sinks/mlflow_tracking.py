@@ -24,8 +24,15 @@ class PermanentError(Exception):
 
 
 class AuthError(Exception):
-    """The server refused gradtrack's credentials (HTTP 401/403): nothing was stored, and
-    everything can go once the credentials are right, so it is kept and retried."""
+    """The server refused the request: no valid login (HTTP 401), or the user lacks the
+    ``permission`` it needs (HTTP 403). Nothing was stored, and everything can go once that
+    is fixed, so it is kept and retried."""
+
+    def __init__(self, status: int, endpoint: str, permission: str) -> None:
+        super().__init__(f"HTTP {status} on {endpoint}")
+        self.status = status
+        self.endpoint = endpoint
+        self.permission = permission  # what MLflow's basic-auth app checks: READ or EDIT
 
 
 class Tracking(Protocol):
@@ -133,7 +140,9 @@ class RestTracking:
             verify_rest_response(response, endpoint)
         except MlflowException as exc:
             if response.status_code in (401, 403):
-                raise AuthError(f"HTTP {response.status_code}") from exc
+                # Reading needs READ on the experiment; creating runs and logging, EDIT.
+                permission = "READ" if method == "GET" else "EDIT"
+                raise AuthError(response.status_code, endpoint, permission) from exc
             if 400 <= response.status_code < 500 and response.status_code != 429:
                 raise PermanentError(str(exc)) from exc
             raise

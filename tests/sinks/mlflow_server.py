@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,9 +38,9 @@ class MlflowServer:
             str(Path(sys.executable).parent / "mlflow"), "server",
             "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
             "--backend-store-uri", self.backend_store_uri,
-            "--artifacts-destination", str(self.root / "artifacts"),
+            "--artifacts-destination", str(self.root / "artifacts"), *self.app_args(),
         ]  # fmt: skip
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.app_env()}
         env.pop("MLFLOW_TRACKING_URI", None)
         with (self.root / "server.log").open("ab") as log:  # the child keeps its own handle
             self.process = subprocess.Popen(
@@ -59,6 +60,12 @@ class MlflowServer:
                 time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"mlflow server not healthy after {timeout_s}s")
+
+    def app_args(self) -> list[str]:
+        return []
+
+    def app_env(self) -> dict[str, str]:
+        return {}
 
     def freeze(self, seconds: float) -> None:
         """Stop the server's processes (SIGSTOP) for ``seconds``, then let them go on."""
@@ -95,3 +102,40 @@ class MlflowServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=15)
+
+
+class AuthMlflowServer(MlflowServer):
+    """``mlflow server --app-name basic-auth``: MLflow's own authentication, its users and
+    permissions in a sqlite file of their own, every user allowed to READ by default."""
+
+    admin = "admin"
+
+    def __init__(self, backend_store_uri: str, root: Path, port: int | None = None) -> None:
+        super().__init__(backend_store_uri, root, port)
+        self.admin_password = secrets.token_urlsafe(18)
+
+    def app_args(self) -> list[str]:
+        return ["--app-name", "basic-auth"]
+
+    def app_env(self) -> dict[str, str]:
+        """The basic-auth app's settings: its config file (written here) and secrets."""
+        config = self.root / "basic_auth.ini"
+        config.write_text(
+            "[mlflow]\n"
+            "default_permission = READ\n"
+            f"database_uri = sqlite:///{self.root / 'basic_auth.db'}\n"
+            f"admin_username = {self.admin}\n"
+        )
+        return {
+            "MLFLOW_AUTH_CONFIG_PATH": str(config),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": self.admin_password,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+        }
+
+    @property
+    def admin_login(self) -> dict[str, str]:
+        """The admin's credentials, as MLflow's client takes them."""
+        return {
+            "MLFLOW_TRACKING_USERNAME": self.admin,
+            "MLFLOW_TRACKING_PASSWORD": self.admin_password,
+        }

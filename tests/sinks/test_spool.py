@@ -6,7 +6,6 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +75,7 @@ def test_a_torn_last_frame_ends_the_log_and_a_foreign_pickle_is_refused(tmp_path
             return (print, ("this must never run",))
 
     reopened.append(Payload())
-    with pytest.raises(pickle.UnpicklingError, match="cannot hold builtins.print"):
+    with pytest.raises(pickle.UnpicklingError, match=r"cannot hold builtins\.print"):
         list(reopened.reader(2).items())
     reopened.close()
 
@@ -114,21 +113,27 @@ def test_past_its_disk_bound_the_spool_drops_counts_and_warns(
     assert any(f"gradtrack sync {kept}" in str(w.message) for w in caught)
 
 
-def run_child(uri: str, steps: int, end: str, spool_root: Path, *extra: str) -> None:
-    env = {"GRADTRACK_SPOOL_DIR": str(spool_root), "PYTHONPATH": str(REPO), "PATH": ""}
+Env = dict[str, str] | None
+
+
+def run_child(
+    uri: str, steps: int, end: str, spool_root: Path, *extra: str, env: Env = None
+) -> subprocess.CompletedProcess[str]:
+    """`spool_child` in a process of its own; ``env`` adds to its (bare) environment."""
+    child_env = {"GRADTRACK_SPOOL_DIR": str(spool_root), "PYTHONPATH": str(REPO), "PATH": ""}
     result = subprocess.run(
         [sys.executable, "-m", "tests.sinks.spool_child", uri, str(steps), end, *extra],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**child_env, **(env or {})}, cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert "trained" in result.stdout, result.stderr[-3000:]
-    return None
+    return result
 
 
-def sync_cli(spool_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def sync_cli(spool_root: Path, *args: str, env: Env = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gradtrack.cli", "sync", str(spool_root), *args],
-        env={"PYTHONPATH": str(REPO), "PATH": ""}, cwd=REPO, capture_output=True, text=True,
-        timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "", **(env or {})}, cwd=REPO, capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
 
 

@@ -1,0 +1,54 @@
+"""What a tracking server's refusal tells the user: which of MLflow's variables to set, or
+which permission on which experiment the user lacks — and that nothing is lost meanwhile.
+
+gradtrack takes no credentials of its own: MLflow's client reads MLFLOW_TRACKING_USERNAME /
+MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) from the environment at each connection,
+so only the user name, never a secret, appears here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gradtrack.sinks.mlflow_tracking import AuthError
+
+USERNAME = "MLFLOW_TRACKING_USERNAME"
+PASSWORD = "MLFLOW_TRACKING_PASSWORD"
+TOKEN = "MLFLOW_TRACKING_TOKEN"
+KEPT = (
+    "nothing is lost: the steps stay in gradtrack's spool and are retried, and "
+    "`gradtrack sync` (run where those variables are right) delivers what this run could not"
+)
+
+
+def refusal_message(error: AuthError, tracking_uri: str | None, experiment: str) -> str:
+    """One message for a 401/403 at first contact; ``experiment`` names where the run is.
+
+    >>> error = AuthError(403, "/api/2.0/mlflow/runs/create", "EDIT")
+    >>> os.environ[USERNAME] = "bob"
+    >>> print(refusal_message(error, "https://mlflow.team", "experiment 'vision' (id 4)"))
+    ... # doctest: +ELLIPSIS
+    MLflow at https://mlflow.team denied user 'bob' EDIT permission on experiment 'vision' (id 4)
+    (HTTP 403 on /api/2.0/mlflow/runs/create): an admin grants it (docs/team-server.md), or set
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user who has it; nothing is lost...
+    >>> del os.environ[USERNAME]
+    """
+    user = os.environ.get(USERNAME)
+    if error.status == 403:
+        who = f"user {user!r}" if user else f"the user of {TOKEN}"
+        return (
+            f"MLflow at {tracking_uri} denied {who} {error.permission} permission on "
+            f"{experiment} ({error}): an admin grants it (docs/team-server.md), or set {USERNAME} "
+            f"and {PASSWORD} to a user who has it; {KEPT}"
+        )
+    if user:
+        return (
+            f"MLflow at {tracking_uri} refused the login of user {user!r} ({error}): check "
+            f"{PASSWORD} (and {USERNAME}); {KEPT}"
+        )
+    if os.environ.get(TOKEN):
+        return f"MLflow at {tracking_uri} refused the token in {TOKEN} ({error}); {KEPT}"
+    return (
+        f"MLflow at {tracking_uri} requires a login and this process has none ({error}): set "
+        f"{USERNAME} and {PASSWORD} (or {TOKEN}) where training runs; {KEPT}"
+    )

@@ -1,0 +1,175 @@
+"""gradtrack against MLflow's own authentication (`mlflow server --app-name basic-auth`, a
+real server process): credentials only from MLflow's variables, one clear message when the
+server refuses, nothing lost, and no password in anything gradtrack prints or writes."""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from tests.sinks.mlflow_server import AuthMlflowServer
+from tests.sinks.test_spool import run_child, stored_steps, sync_cli
+
+mlflow = pytest.importorskip("mlflow")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthMlflowServer]:
+    root = tmp_path_factory.mktemp("mlflow-auth")
+    server = AuthMlflowServer(f"sqlite:///{root / 'mlflow.db'}", root).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """gradtrack's temporary files (the MLflow sink's staging folder) under the test's folder."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def log_in(monkeypatch: pytest.MonkeyPatch, credentials: dict[str, str]) -> None:
+    for name, value in credentials.items():
+        monkeypatch.setenv(name, value)
+
+
+@contextmanager
+def as_admin(server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """MLflow's own client of the basic-auth app, logged in as the admin meanwhile."""
+    with warnings.catch_warnings():  # the auth app imports a module starlette deprecates
+        warnings.filterwarnings("ignore", "starlette.middleware.wsgi is deprecated")
+        from mlflow.server import get_app_client
+
+        client = get_app_client("basic-auth", tracking_uri=server.uri)
+    with monkeypatch.context() as patch:
+        log_in(patch, server.admin_login)
+        yield client
+
+
+def new_user(
+    server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch, user: str
+) -> dict[str, str]:
+    """A new user's credentials, as MLflow's client takes them."""
+    password = secrets.token_urlsafe(18)
+    with as_admin(server, monkeypatch) as admin:
+        admin.create_user(user, password)
+    return {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+
+
+def train(watcher_options: dict[str, object], steps: int) -> tuple[gradtrack.Watcher, list[str]]:
+    """Train a small model for ``steps`` steps, every one logged; the warnings it gave."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watcher = gradtrack.watch(
+            model, backend="mlflow", optimizer=optimizer, log_every=1, **watcher_options
+        )
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            optimizer.step()
+        watcher.close()
+    return watcher, [str(w.message) for w in caught]
+
+
+def assert_nowhere(secret: str, texts: Iterable[str], places: Iterable[Path]) -> None:
+    """``secret`` in none of the texts, nor in any file at or under the places."""
+    for text in texts:
+        assert secret not in text
+    files = [f for place in places for f in [place, *place.rglob("*")] if f.is_file()]
+    assert files
+    for file in files:
+        assert secret.encode() not in file.read_bytes(), file
+
+
+def test_with_credentials_every_step_reaches_an_authenticated_server(
+    server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, staging: Path
+) -> None:
+    credentials = new_user(server, monkeypatch, "alice")
+    log_in(monkeypatch, credentials)
+    options = {"tracking_uri": server.uri, "experiment": "alice", "send_every_s": 0}
+    watcher, messages = train({"mlflow": options}, steps=40)
+    run_id = watcher.sinks[0].run_id
+    assert stored_steps(server.uri, run_id) == list(range(40))
+    assert messages == [] and not list(spool_in_tmp.iterdir())  # all confirmed, spool gone
+    run = mlflow.MlflowClient(server.uri).get_run(run_id)
+    stored = [*run.data.tags.values(), *run.data.params.values()]
+    password = credentials["MLFLOW_TRACKING_PASSWORD"]
+    assert_nowhere(password, stored, [server.root / "mlflow.db", server.root / "artifacts"])
+
+
+def test_without_credentials_one_message_names_the_variables_and_sync_delivers_every_step(
+    server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, tmp_path: Path
+) -> None:
+    """A training process with no login (300 steps at the defaults: 30 logged steps) is
+    refused at its first request; its steps stay in the spool, a sync without a login keeps
+    them, and a sync with the credentials set delivers every one, once."""
+    credentials = new_user(server, monkeypatch, "carol")
+    temporary = {"TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    child = run_child(server.uri, 300, "close", spool_in_tmp, env=temporary)
+    refusals = [line for line in child.stderr.splitlines() if "MLFLOW_TRACKING_PASSWORD" in line]
+    assert len(refusals) == 1, child.stderr
+    assert "requires a login" in refusals[0] and "MLFLOW_TRACKING_USERNAME" in refusals[0]
+    assert "part of" not in child.stderr and "dropped" not in child.stderr
+    (left,) = list(spool_in_tmp.iterdir())
+    assert f"gradtrack sync {left}" in child.stderr
+
+    refused = sync_cli(spool_in_tmp, env=temporary)
+    assert refused.returncode == 1 and "still undelivered" in refused.stdout, refused.stderr
+    assert "MLFLOW_TRACKING_USERNAME" in refused.stderr and left.exists()
+
+    synced = sync_cli(spool_in_tmp, env={**credentials, **temporary})
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    assert "30 item(s) delivered" in synced.stdout and not left.exists()
+    log_in(monkeypatch, credentials)
+    assert stored_steps(server.uri) == list(range(0, 300, 10))  # each once
+    outputs = [child.stdout, child.stderr, synced.stdout, synced.stderr]
+    places = [tmp_path / "tmp", server.root / "mlflow.db", server.root / "artifacts"]
+    assert_nowhere(credentials["MLFLOW_TRACKING_PASSWORD"], outputs, places)
+
+
+def test_a_user_without_permission_is_told_which_and_sync_delivers_once_it_is_granted(
+    server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, staging: Path
+) -> None:
+    """Every user may READ (the server's default), so bob finds the admin's experiment but
+    may not create a run in it: the message names the permission and the experiment, close
+    does not wait on a refusal, and once an admin grants EDIT, sync delivers every step."""
+    with as_admin(server, monkeypatch):
+        experiment = mlflow.MlflowClient(server.uri).create_experiment("vision")
+    credentials = new_user(server, monkeypatch, "bob")
+    log_in(monkeypatch, credentials)
+    options = {"tracking_uri": server.uri, "experiment": "vision", "send_every_s": 0}
+    started = time.monotonic()
+    _, messages = train({"mlflow": options, "flush_timeout_s": 60}, steps=20)
+    assert time.monotonic() - started < 30  # not the 0.8 × 60 s a server outage gets
+    refusals = [m for m in messages if "denied user 'bob'" in m]
+    assert len(refusals) == 1, messages
+    assert f"EDIT permission on experiment 'vision' (id {experiment})" in refusals[0]
+    assert not any("part of" in m or "dropped" in m for m in messages)
+    (left,) = list(spool_in_tmp.iterdir())
+    password = credentials["MLFLOW_TRACKING_PASSWORD"]
+    assert_nowhere(password, messages, [left, staging])  # the kept spool and staging files
+
+    with as_admin(server, monkeypatch) as admin:
+        admin.grant_user_permission("bob", "experiment", experiment, "EDIT")
+    synced = sync_cli(spool_in_tmp, env=credentials)
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    (run,) = mlflow.MlflowClient(server.uri).search_runs([experiment])
+    assert stored_steps(server.uri, run.info.run_id) == list(range(20))
+    assert run.info.status == "FINISHED" and not left.exists()
+    assert_nowhere(password, [synced.stdout, synced.stderr], [server.root / "artifacts"])
