@@ -442,10 +442,7 @@ class MlflowSink:
         self._retry_at = time.monotonic() + self._backoff_s
         if not self._outage_reported:
             self._outage_reported = True
-            kept = (
-                f"steps are buffered (up to {self.options.max_buffered_steps}) and retried "
-                "with backoff"
-            )
+            kept = "steps wait (in the run's spool) and are retried with backoff"
             if isinstance(error, AuthError):
                 _warn(
                     f"MLflow at {self.tracking_uri} refused gradtrack's credentials ({error}): "
