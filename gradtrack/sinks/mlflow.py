@@ -454,8 +454,7 @@ class MlflowSink:
             else:
                 _warn(
                     f"gradtrack cannot reach MLflow at {self.tracking_uri} ({error!r}); steps "
-                    f"are buffered (up to {self.options.max_buffered_steps}) and retried with "
-                    "backoff"
+                    "wait (in the run's spool) and are retried with backoff"
                 )
 
     def _experiment(self) -> str:
