@@ -33,8 +33,8 @@ from gradtrack.sinks.mlflow_tracking import (
     MAX_ITEMS_PER_BATCH,
     MAX_METRICS_PER_BATCH,
     MAX_TAGS_PER_BATCH,
-    AuthError,
     PermanentError,
+    Refusal,
     Tracking,
     connect,
 )
@@ -137,7 +137,8 @@ class MlflowSink:
         self._last_sent = -math.inf  # the first write goes out at once: the run appears
         self._alert_waiting = False
         self._outage_reported = False
-        self._refused = False  # the last request was refused (401/403): close need not wait
+        # The last request was refused (401/403, untrusted TLS): waiting fixes nothing.
+        self._refused = False
         self._experiment_id: str | None = None
         # The report package draws; imported here, not at the top: it sits above the sinks.
         from gradtrack.report.live import Pictures
@@ -240,7 +241,7 @@ class MlflowSink:
     def close(self) -> None:
         self._write_histogram_chunk()
         # Retry within the watcher's own close timeout, with room left to end the run.
-        # A refused login or permission is not fixed by waiting: the spool keeps the steps.
+        # A refusal is not fixed by waiting: the spool keeps the steps.
         deadline = time.monotonic() + (0.0 if self._refused else 0.8 * self.config.flush_timeout_s)
         self._pump(until=deadline)
         # Pictures only once the data is out: they must never delay or displace it.
@@ -446,10 +447,10 @@ class MlflowSink:
         self.failures += 1
         self._backoff_s = min(self.options.retry_max_s, max(0.5, self._backoff_s * 2))
         self._retry_at = time.monotonic() + self._backoff_s
-        self._refused = isinstance(error, AuthError)
+        self._refused = isinstance(error, Refusal)
         if not self._outage_reported:
             self._outage_reported = True
-            if isinstance(error, AuthError):
+            if isinstance(error, Refusal):
                 _warn(refusal_message(error, self.tracking_uri, self._experiment()))
             else:
                 _warn(

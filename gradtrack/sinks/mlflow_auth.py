@@ -2,28 +2,33 @@
 which permission on which experiment the user lacks — and that nothing is lost meanwhile.
 
 gradtrack takes no credentials of its own: MLflow's client reads MLFLOW_TRACKING_USERNAME /
-MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) from the environment at each connection,
-so only the user name, never a secret, appears here.
+MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), and for TLS
+MLFLOW_TRACKING_SERVER_CERT_PATH / MLFLOW_TRACKING_INSECURE_TLS, from the environment at each
+connection, so only the user name, never a secret, appears here.
 """
 
 from __future__ import annotations
 
 import os
 
-from gradtrack.sinks.mlflow_tracking import AuthError
+from gradtrack.sinks.mlflow_tracking import Refusal, UntrustedTlsError
 
 USERNAME = "MLFLOW_TRACKING_USERNAME"
 PASSWORD = "MLFLOW_TRACKING_PASSWORD"
 TOKEN = "MLFLOW_TRACKING_TOKEN"
+CERT_PATH = "MLFLOW_TRACKING_SERVER_CERT_PATH"
+INSECURE_TLS = "MLFLOW_TRACKING_INSECURE_TLS"
 KEPT = (
     "nothing is lost: the steps stay in gradtrack's spool and are retried, and "
     "`gradtrack sync` (run where those variables are right) delivers what this run could not"
 )
 
 
-def refusal_message(error: AuthError, tracking_uri: str | None, experiment: str) -> str:
-    """One message for a 401/403 at first contact; ``experiment`` names where the run is.
+def refusal_message(error: Refusal, tracking_uri: str | None, experiment: str) -> str:
+    """One message for a 401/403 or an untrusted certificate at first contact;
+    ``experiment`` names where the run is.
 
+    >>> from gradtrack.sinks.mlflow_tracking import AuthError
     >>> error = AuthError(403, "/api/2.0/mlflow/runs/create", "EDIT")
     >>> os.environ[USERNAME] = "bob"
     >>> print(refusal_message(error, "https://mlflow.team", "experiment 'vision' (id 4)"))
@@ -33,6 +38,12 @@ def refusal_message(error: AuthError, tracking_uri: str | None, experiment: str)
     MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user who has it; nothing is lost...
     >>> del os.environ[USERNAME]
     """
+    if isinstance(error, UntrustedTlsError):
+        return (
+            f"gradtrack does not trust the TLS certificate of MLflow at {tracking_uri} "
+            f"({error}): set {CERT_PATH} to the certificate of the CA that signed it "
+            f"(docs/team-server.md), or {INSECURE_TLS}=true to skip the check; {KEPT}"
+        )
     user = os.environ.get(USERNAME)
     if error.status == 403:
         who = f"user {user!r}" if user else f"the user of {TOKEN}"

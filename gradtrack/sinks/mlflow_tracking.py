@@ -35,6 +35,14 @@ class AuthError(Exception):
         self.permission = permission  # what MLflow's basic-auth app checks: READ or EDIT
 
 
+class UntrustedTlsError(Exception):
+    """This process does not trust the server's TLS certificate (self-signed, a private CA):
+    nothing was sent, and everything can go once it does, so it is kept and retried."""
+
+
+Refusal = AuthError | UntrustedTlsError
+
+
 class Tracking(Protocol):
     def experiment_id(self, name: str) -> str: ...
 
@@ -132,10 +140,15 @@ class RestTracking:
         from mlflow.exceptions import MlflowException
         from mlflow.utils.rest_utils import http_request, verify_rest_response
 
-        response = http_request(
-            self.creds, endpoint, method, max_retries=0, backoff_factor=0,
-            timeout=self.timeout_s, **kwargs,
-        )  # fmt: skip
+        try:
+            response = http_request(
+                self.creds, endpoint, method, max_retries=0, backoff_factor=0,
+                timeout=self.timeout_s, **kwargs,
+            )  # fmt: skip
+        except MlflowException as exc:
+            if _failed_tls(exc):
+                raise UntrustedTlsError(str(exc.__context__)) from exc
+            raise
         try:
             verify_rest_response(response, endpoint)
         except MlflowException as exc:
@@ -207,6 +220,13 @@ class RestTracking:
 
     def close(self) -> None:
         return None  # one request per call: nothing stays open
+
+
+def _failed_tls(error: Exception) -> bool:
+    """MLflow's client wraps the failure it met in its own exception, chained implicitly."""
+    import requests
+
+    return isinstance(error.__context__, requests.exceptions.SSLError)
 
 
 def _now_ms() -> int:

@@ -6,6 +6,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,9 +29,11 @@ class MlflowServer:
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
+    scheme = "http"
+
     @property
     def uri(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 90.0) -> MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -53,7 +56,9 @@ class MlflowServer:
                     f"mlflow server exited: {(self.root / 'server.log').read_text()[-3000:]}"
                 )
             try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                with urllib.request.urlopen(
+                    f"{self.uri}/health", timeout=2, context=self.client_tls()
+                ) as response:
                     if response.status == 200:
                         return self
             except OSError:
@@ -63,6 +68,9 @@ class MlflowServer:
 
     def app_args(self) -> list[str]:
         return []
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        return None
 
     def app_env(self) -> dict[str, str]:
         return {}
@@ -139,3 +147,28 @@ class AuthMlflowServer(MlflowServer):
             "MLFLOW_TRACKING_USERNAME": self.admin,
             "MLFLOW_TRACKING_PASSWORD": self.admin_password,
         }
+
+
+class TlsMlflowServer(MlflowServer):
+    """``mlflow server`` over HTTPS with a self-signed certificate for 127.0.0.1 (made with
+    ``openssl``), as behind a team's TLS proxy with its own CA."""
+
+    scheme = "https"
+
+    @property
+    def certificate(self) -> Path:
+        return self.root / "cert.pem"
+
+    def app_args(self) -> list[str]:
+        key = self.root / "key.pem"
+        if not self.certificate.exists():
+            subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                 "-keyout", str(key), "-out", str(self.certificate), "-subj", "/CN=127.0.0.1",
+                 "-addext", "subjectAltName=IP:127.0.0.1"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        return ["--uvicorn-opts", f"--ssl-keyfile {key} --ssl-certfile {self.certificate}"]
+
+    def client_tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=self.certificate)

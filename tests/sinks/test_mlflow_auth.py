@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from tests.sinks.mlflow_server import AuthMlflowServer
+from tests.sinks.mlflow_server import AuthMlflowServer, TlsMlflowServer
 from tests.sinks.test_spool import run_child, stored_steps, sync_cli
 
 mlflow = pytest.importorskip("mlflow")
@@ -28,6 +28,14 @@ mlflow = pytest.importorskip("mlflow")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthMlflowServer]:
     root = tmp_path_factory.mktemp("mlflow-auth")
     server = AuthMlflowServer(f"sqlite:///{root / 'mlflow.db'}", root).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMlflowServer]:
+    root = tmp_path_factory.mktemp("mlflow-tls")
+    server = TlsMlflowServer(f"sqlite:///{root / 'mlflow.db'}", root).start()
     yield server
     server.stop()
 
@@ -173,3 +181,56 @@ def test_a_user_without_permission_is_told_which_and_sync_delivers_once_it_is_gr
     assert stored_steps(server.uri, run.info.run_id) == list(range(20))
     assert run.info.status == "FINISHED" and not left.exists()
     assert_nowhere(password, [synced.stdout, synced.stderr], [server.root / "artifacts"])
+
+
+def test_a_refused_login_names_the_user_and_the_password_variable(
+    server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, staging: Path
+) -> None:
+    credentials = new_user(server, monkeypatch, "dave")
+    wrong = secrets.token_urlsafe(18)
+    log_in(monkeypatch, {**credentials, "MLFLOW_TRACKING_PASSWORD": wrong})
+    _, messages = train({"mlflow": {"tracking_uri": server.uri, "experiment": "dave"}}, steps=5)
+    refusals = [m for m in messages if "refused the login of user 'dave'" in m]
+    assert len(refusals) == 1 and "check MLFLOW_TRACKING_PASSWORD" in refusals[0], messages
+    (left,) = list(spool_in_tmp.iterdir())
+    assert_nowhere(wrong, messages, [left, staging])
+
+
+def test_the_admin_password_rotates_as_documented(
+    server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/team-server.md: the admin changes its own password with MLflow's client."""
+    from mlflow.exceptions import MlflowException
+
+    new = secrets.token_urlsafe(18)
+    with as_admin(server, monkeypatch) as admin:
+        admin.update_user_password("admin", new, current_password=server.admin_password)
+        with pytest.raises(MlflowException, match="401"):
+            admin.get_user("admin")  # the old password is refused at once
+    server.admin_password = new
+    with as_admin(server, monkeypatch) as admin:
+        assert admin.get_user("admin").is_admin
+
+
+def test_a_private_ca_is_trusted_through_mlflow_variable_and_named_when_missing(
+    tls_server: TlsMlflowServer,
+    monkeypatch: pytest.MonkeyPatch,
+    spool_in_tmp: Path,
+    staging: Path,
+) -> None:
+    """A server whose certificate this process does not trust (self-signed, as the TLS
+    proxy's local CA): one message naming MLflow's variables, the steps kept; with
+    MLFLOW_TRACKING_SERVER_CERT_PATH set, sync delivers every one."""
+    options = {"tracking_uri": tls_server.uri, "experiment": "tls", "send_every_s": 0}
+    _, messages = train({"mlflow": options}, steps=10)
+    refusals = [m for m in messages if "does not trust the TLS certificate" in m]
+    assert len(refusals) == 1, messages
+    assert "MLFLOW_TRACKING_SERVER_CERT_PATH" in refusals[0]
+    assert "MLFLOW_TRACKING_INSECURE_TLS" in refusals[0]
+    trust = {"MLFLOW_TRACKING_SERVER_CERT_PATH": str(tls_server.certificate)}
+    synced = sync_cli(spool_in_tmp, env=trust)
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    log_in(monkeypatch, trust)
+    client = mlflow.MlflowClient(tls_server.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tls").experiment_id])
+    assert stored_steps(tls_server.uri, run.info.run_id) == list(range(10))
