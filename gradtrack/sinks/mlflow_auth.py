@@ -10,6 +10,7 @@ connection, so only the user name, never a secret, appears here.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from gradtrack.sinks.mlflow_tracking import Refusal, UntrustedTlsError
 
@@ -24,19 +25,20 @@ KEPT = (
 )
 
 
-def refusal_message(error: Refusal, tracking_uri: str | None, experiment: str) -> str:
+def refusal_message(
+    error: Refusal, tracking_uri: str | None, experiment: str, env: Mapping[str, str] = os.environ
+) -> str:
     """One message for a 401/403 or an untrusted certificate at first contact;
-    ``experiment`` names where the run is.
+    ``experiment`` names where the run is, ``env`` holds MLflow's variables.
 
     >>> from gradtrack.sinks.mlflow_tracking import AuthError
     >>> error = AuthError(403, "/api/2.0/mlflow/runs/create", "EDIT")
-    >>> os.environ[USERNAME] = "bob"
-    >>> print(refusal_message(error, "https://mlflow.team", "experiment 'vision' (id 4)"))
-    ... # doctest: +ELLIPSIS
+    >>> print(refusal_message(
+    ...     error, "https://mlflow.team", "experiment 'vision' (id 4)", {USERNAME: "bob"}
+    ... ))  # doctest: +ELLIPSIS
     MLflow at https://mlflow.team denied user 'bob' EDIT permission on experiment 'vision' (id 4)
     (HTTP 403 on /api/2.0/mlflow/runs/create): an admin grants it (docs/team-server.md), or set
     MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a user who has it; nothing is lost...
-    >>> del os.environ[USERNAME]
     """
     if isinstance(error, UntrustedTlsError):
         return (
@@ -44,7 +46,7 @@ def refusal_message(error: Refusal, tracking_uri: str | None, experiment: str) -
             f"({error}): set {CERT_PATH} to the certificate of the CA that signed it "
             f"(docs/team-server.md), or {INSECURE_TLS}=true to skip the check; {KEPT}"
         )
-    user = os.environ.get(USERNAME)
+    user = env.get(USERNAME)
     if error.status == 403:
         who = f"user {user!r}" if user else f"the user of {TOKEN}"
         return (
@@ -57,7 +59,7 @@ def refusal_message(error: Refusal, tracking_uri: str | None, experiment: str) -
             f"MLflow at {tracking_uri} refused the login of user {user!r} ({error}): check "
             f"{PASSWORD} (and {USERNAME}); {KEPT}"
         )
-    if os.environ.get(TOKEN):
+    if env.get(TOKEN):
         return f"MLflow at {tracking_uri} refused the token in {TOKEN} ({error}); {KEPT}"
     return (
         f"MLflow at {tracking_uri} requires a login and this process has none ({error}): set "

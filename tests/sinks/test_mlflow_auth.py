@@ -11,33 +11,39 @@ import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 from torch import nn
 
 import gradtrack
-from tests.sinks.mlflow_server import AuthMlflowServer, TlsMlflowServer
+from tests.sinks.mlflow_server import AuthMlflowServer, MlflowServer, TlsMlflowServer
 from tests.sinks.test_spool import run_child, stored_steps, sync_cli
 
 mlflow = pytest.importorskip("mlflow")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthMlflowServer]:
-    root = tmp_path_factory.mktemp("mlflow-auth")
-    server = AuthMlflowServer(f"sqlite:///{root / 'mlflow.db'}", root).start()
+Server = TypeVar("Server", bound=MlflowServer)
+
+
+def serve(kind: type[Server], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server of ``kind`` (sqlite store) for the module."""
+    root = tmp_path_factory.mktemp(kind.__name__)
+    server = kind(f"sqlite:///{root / 'mlflow.db'}", root)
+    server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthMlflowServer]:
+    yield from serve(AuthMlflowServer, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMlflowServer]:
-    root = tmp_path_factory.mktemp("mlflow-tls")
-    server = TlsMlflowServer(f"sqlite:///{root / 'mlflow.db'}", root).start()
-    yield server
-    server.stop()
+    yield from serve(TlsMlflowServer, tmp_path_factory)
 
 
 @pytest.fixture
