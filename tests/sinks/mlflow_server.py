@@ -114,27 +114,38 @@ class MlflowServer:
 
 class AuthMlflowServer(MlflowServer):
     """``mlflow server --app-name basic-auth``: MLflow's own authentication, its users and
-    permissions in a sqlite file of their own, every user allowed to READ by default."""
+    permissions in a sqlite file of their own, every user allowed to READ by default — or as
+    ``config`` (an auth config file) says, with ``env`` added to its environment."""
 
     admin = "admin"
 
-    def __init__(self, backend_store_uri: str, root: Path, port: int | None = None) -> None:
-        super().__init__(backend_store_uri, root, port)
+    def __init__(
+        self,
+        backend_store_uri: str,
+        root: Path,
+        config: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(backend_store_uri, root)
         self.admin_password = secrets.token_urlsafe(18)
+        self.config = config
+        self.env = env or {}
 
     def app_args(self) -> list[str]:
         return ["--app-name", "basic-auth"]
 
     def app_env(self) -> dict[str, str]:
-        """The basic-auth app's settings: its config file (written here) and secrets."""
-        config = self.root / "basic_auth.ini"
-        config.write_text(
-            "[mlflow]\n"
-            "default_permission = READ\n"
-            f"database_uri = sqlite:///{self.root / 'basic_auth.db'}\n"
-            f"admin_username = {self.admin}\n"
-        )
+        """The basic-auth app's settings: its config file (by default written here), secrets."""
+        config = self.config or self.root / "basic_auth.ini"
+        if self.config is None:
+            config.write_text(
+                "[mlflow]\n"
+                "default_permission = READ\n"
+                f"database_uri = sqlite:///{self.root / 'basic_auth.db'}\n"
+                f"admin_username = {self.admin}\n"
+            )
         return {
+            **self.env,
             "MLFLOW_AUTH_CONFIG_PATH": str(config),
             "MLFLOW_AUTH_ADMIN_PASSWORD": self.admin_password,
             "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),

@@ -4,7 +4,9 @@ server refuses, nothing lost, and no password in anything gradtrack prints or wr
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
 import tempfile
 import time
 import warnings
@@ -12,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 import pytest
 import torch
@@ -19,9 +22,10 @@ from torch import nn
 
 import gradtrack
 from tests.sinks.mlflow_server import AuthMlflowServer, MlflowServer, TlsMlflowServer
-from tests.sinks.test_spool import run_child, stored_steps, sync_cli
+from tests.sinks.test_spool import REPO, run_child, stored_steps, sync_cli
 
 mlflow = pytest.importorskip("mlflow")
+yaml = pytest.importorskip("yaml")
 
 
 Server = TypeVar("Server", bound=MlflowServer)
@@ -240,3 +244,45 @@ def test_a_private_ca_is_trusted_through_mlflow_variable_and_named_when_missing(
     client = mlflow.MlflowClient(tls_server.uri)
     (run,) = client.search_runs([client.get_experiment_by_name("tls").experiment_id])
     assert stored_steps(tls_server.uri, run.info.run_id) == list(range(10))
+
+
+def test_the_compose_auth_config_keeps_users_in_postgres_without_a_password_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, staging: Path
+) -> None:
+    """The compose stack's auth settings, for real: its one-shot service's command creates
+    the mlflow_auth database (twice: it must be idempotent), and the basic-auth app with
+    deploy/mlflow/basic_auth.ini reaches it through libpq's PG* variables alone."""
+    uri = os.environ.get("POSTGRES_TEST_URI")
+    if not uri:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide POSTGRES_TEST_URI (.ci/run starts PostgreSQL)")
+        pytest.skip("no PostgreSQL here: set POSTGRES_TEST_URI (as .ci/run does)")
+    address = urlparse(uri)
+    libpq = {
+        "PGHOST": address.hostname or "", "PGPORT": str(address.port or 5432),
+        "PGUSER": address.username or "", "PGPASSWORD": address.password or "",
+        "PGDATABASE": address.path.lstrip("/"),
+    }  # fmt: skip
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    create = compose["services"]["create-auth-db"]["entrypoint"]
+    psql = {**os.environ, **libpq}
+    subprocess.run(["psql", "-qc", "DROP DATABASE IF EXISTS mlflow_auth"], env=psql, check=True)
+    for _ in range(2):
+        subprocess.run(create, env=psql, check=True, capture_output=True)
+
+    auth_db = {**libpq, "PGDATABASE": "mlflow_auth"}
+    config = REPO / "deploy/mlflow/basic_auth.ini"
+    server = AuthMlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path, config, auth_db)
+    server.start()
+    try:
+        credentials = new_user(server, monkeypatch, "erin")
+        log_in(monkeypatch, credentials)
+        watcher, messages = train({"mlflow": {"tracking_uri": server.uri}}, steps=3)
+        assert stored_steps(server.uri, watcher.sinks[0].run_id) == [0, 1, 2], messages
+    finally:
+        server.stop()
+    users = subprocess.run(
+        ["psql", "-tAc", "SELECT username FROM users ORDER BY id"],
+        env={**psql, **auth_db}, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    assert users.stdout.split() == ["admin", "erin"]
