@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from tests.sinks.mlflow_server import MlflowServer
+from tests.sinks.mlflow_server import MlflowServer, lock_sqlite
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -65,6 +65,36 @@ def test_every_step_stored_once_through_a_server_fault(tmp_path: Path, fault: st
         assert steps == list(range(STEPS))  # every step, each once
     finally:
         server.stop()
+
+
+def test_every_step_stored_once_through_a_locked_sqlite_store(tmp_path: Path) -> None:
+    """The embedded default store, locked by another process for 15 s mid-run."""
+    database = tmp_path / "mlflow.db"
+    model = nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "cannot reach MLflow": expected
+        watcher = gradtrack.watch(
+            model, backend="mlflow", optimizer=optimizer, log_every=1, hist_every=None,
+            flush_timeout_s=120, mlflow={"tracking_uri": f"sqlite:///{database}", "retry_max_s": 2},
+        )  # fmt: skip
+        locking = threading.Thread(target=lock_sqlite, args=(database, 15.0))
+        for step in range(STEPS):
+            if step == 300:
+                watcher.flush(timeout_s=120)  # the store exists: lock it
+                locking.start()
+            optimizer.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            optimizer.step()
+            time.sleep(STEP_S)
+        locking.join()
+        watcher.close()
+    assert watcher.dropped_steps == 0
+    run_id = watcher.sinks[0].run_id
+    history = mlflow.MlflowClient(f"sqlite:///{database}").get_metric_history(
+        run_id, "grad/total_norm"
+    )
+    assert sorted(m.step for m in history) == list(range(STEPS))  # every step, each once
 
 
 def test_a_cold_start_loses_nothing_in_a_tight_loop(tmp_path: Path) -> None:
