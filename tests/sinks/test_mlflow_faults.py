@@ -68,7 +68,8 @@ def test_every_step_stored_once_through_a_server_fault(tmp_path: Path, fault: st
 
 
 def test_every_step_stored_once_through_a_locked_sqlite_store(tmp_path: Path) -> None:
-    """The embedded default store, locked by another process for 15 s mid-run."""
+    """The embedded default store, locked by another process for 15 s mid-run (MLflow's
+    store waits on the lock, so the sink's writes block meanwhile: the steps wait)."""
     database = tmp_path / "mlflow.db"
     model = nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
