@@ -218,3 +218,29 @@ def test_a_close_that_times_out_names_the_sync_command_which_delivers_the_rest(
     finally:
         server.resume()
         server.stop()
+
+
+def test_without_the_spool_steps_wait_in_memory_and_no_folder_is_made(
+    tmp_path: Path, spool_in_tmp: Path
+) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with gradtrack.watch(
+        model, backend="mlflow", optimizer=optimizer, spool=False, mlflow={"tracking_uri": uri}
+    ) as watcher:
+        for _ in range(30):
+            optimizer.zero_grad()
+            model(torch.randn(8, 8)).pow(2).mean().backward()
+            optimizer.step()
+    assert not spool_in_tmp.exists()
+    assert stored_steps(uri, watcher.sinks[0].run_id) == [0, 10, 20]
+
+
+def test_sync_of_something_that_is_no_spool_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a spool")
+    result = sync_cli(tmp_path / "a-file")
+    assert result.returncode == 2
+    assert "neither a gradtrack spool nor a folder of spools" in result.stderr
+    empty = sync_cli(tmp_path)
+    assert empty.returncode == 0 and "nothing to sync" in empty.stderr
