@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 import gradtrack
-from gradtrack.distributed import RankGroup
+from gradtrack.distributed import RankGroup, is_dtensor
 from gradtrack.sinks.memory import MemorySink
+from tests.conftest import reference_stats
 
 RANKS = 2
 PER_RANK = 6
@@ -47,19 +48,23 @@ def rank_slice(rank: int) -> slice:
 
 @dataclass
 class Case:
-    layout: str  # "ddp" or "fsdp2"
+    layout: str  # "ddp", "fsdp2", or one of `MESH_LAYOUTS` (4 ranks)
     with_optimizer: bool = True
     nan_on_rank: int | None = None  # this rank's last batch gets a NaN
     gather_ranks: bool = False
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def world(self) -> int:
+        return MESH_RANKS if self.layout in MESH_LAYOUTS else RANKS
+
 
 def run(rank: int, case: Case, port: int, out: Path) -> None:
     """torch.multiprocessing entry point: ``rank`` is given by `start_processes`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    dist.init_process_group("gloo", rank=rank, world_size=case.world)
     try:
-        result = _train(rank, case)
+        result = _train_on_mesh(rank, case) if case.layout in MESH_LAYOUTS else _train(rank, case)
         with (out / f"rank{rank}.pkl").open("wb") as f:
             pickle.dump(result, f)
         # Both ranks done with every collective before either tears gloo down (a rank that
@@ -145,3 +150,105 @@ def _count_collectives() -> dict[str, int]:
 
     RankGroup.all_gather = counted  # type: ignore[method-assign]
     return counter
+
+
+# -- 4 ranks on a 2-D device mesh ------------------------------------------------------------
+MESH_RANKS = 4
+MESH_LAYOUTS = ("fsdp_tp", "hsdp", "tp")
+MESH_LAYERS = ("norm", "up", "down")
+
+
+class MeshModel(nn.Module):
+    """A LayerNorm (no tensor parallel: FSDP2 alone, or plain), then ``up``/``down`` Linears
+    for Colwise/Rowwise parallel. Odd sizes: 10 rows over 4 shards are 3 + 3 + 2 + 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(6)
+        self.up = nn.Linear(6, 10)
+        self.down = nn.Linear(10, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def mesh_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(rows, 6, generator=generator), torch.randn(rows, 5, generator=generator)
+
+
+def _parallelize(layout: str) -> tuple[nn.Module, int, int]:
+    """The model on ``layout``'s mesh; this rank's data-parallel index and their number."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = MeshModel()
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    if layout == "tp":
+        mesh = init_device_mesh("cpu", (MESH_RANKS,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, plan)  # every rank sees the whole batch
+        return model, 0, 1
+    # fp32 reductions, so that the statistics compare with the fp64 reference closely.
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    if layout == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], plan)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+        return model, mesh.get_coordinate()[0], 2  # type: ignore[index]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # HSDP: replicate x shard
+    return model, dist.get_rank(), MESH_RANKS
+
+
+def _train_on_mesh(rank: int, case: Case) -> dict[str, Any]:
+    """Train `MeshModel` on ``case.layout``'s mesh; rank 0 also keeps, per logged step, the
+    full gradients' statistics from ``full_tensor()`` (the test's reference only)."""
+    model, replica, replicas = _parallelize(case.layout)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    collectives = _count_collectives()
+    watcher = gradtrack.watch(
+        model, backend="memory", optimizer=optimizer, log_every=LOG_EVERY, layer_every=1,
+        on_alert=(events := []).append, **case.options,
+    )  # fmt: skip
+    per_step, expected, full_grads = [], [], []
+    with watcher:
+        for step in range(STEPS):
+            x, y = (t[rank_slice(replica)] for t in mesh_batch(step, replicas * PER_RANK))
+            if case.nan_on_rank == rank and step == STEPS - 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            before = collectives["count"]
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if step % LOG_EVERY == 0:  # every rank takes part in full_tensor's collectives
+                grads = {
+                    name: [_full(p.grad) for p in getattr(model, name).parameters()]
+                    for name in MESH_LAYERS
+                }
+                expected.append({name: reference_stats(g) for name, g in grads.items()})
+                full_grads.append(
+                    {name: torch.cat([g.reshape(-1) for g in v]) for name, v in grads.items()}
+                )
+            optimizer.step()
+            per_step.append(collectives["count"] - before)
+    sink = watcher.sinks[0] if watcher.sinks else None
+    return {
+        "records": sink.records if isinstance(sink, MemorySink) else [],
+        "events": events,
+        "n_sinks": len(watcher.sinks),
+        "collectives_per_step": per_step,
+        "expected": expected,
+        "full_grads": full_grads,
+    }
+
+
+def _full(grad: torch.Tensor | None) -> torch.Tensor:
+    assert grad is not None
+    full = grad.full_tensor() if is_dtensor(grad) else grad  # type: ignore[attr-defined]
+    return full.detach().double()
