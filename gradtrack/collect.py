@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradtrack.distributed import is_dtensor, local_tensor
 from gradtrack.histogram import split_in_proportion
 from gradtrack.layers import Layer
 from gradtrack.mesh import ShardStep, check_placements
@@ -136,7 +137,7 @@ class Collector:
         for i, (param, grad) in enumerate(zip(self.params, grads)):
             if grad is None or not param.requires_grad:
                 continue
-            if self.reduce_shards is not None and self.local_shards:
+            if self.reduce_shards is not None and is_dtensor(grad):
                 check_placements(grad, self.layer_names[self.tensor_layer[i]])
             usable = self._usable(grad)
             simple = usable is grad
@@ -151,7 +152,7 @@ class Collector:
     def _usable(self, grad: Tensor) -> Tensor:
         """The dense, real, non-empty tensor whose statistics are the gradient's."""
         if self.local_shards:
-            grad = grad.to_local()  # type: ignore[attr-defined]
+            grad = local_tensor(grad)
         if grad.is_sparse:
             # The dense gradient's statistics: implicit zeros add nothing to the sums.
             grad = grad.coalesce()._values()

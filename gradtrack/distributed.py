@@ -45,6 +45,11 @@ def is_dtensor(tensor: Tensor) -> bool:
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
 
 
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor; a plain tensor (tensor parallel leaves some) itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class RankGroup:
     """The processes that train one model together, as gradtrack sees them."""

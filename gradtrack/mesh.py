@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gradtrack.distributed import RankGroup, is_dtensor
+from gradtrack.distributed import RankGroup, is_dtensor, local_tensor
 from gradtrack.errors import GradtrackError
 from gradtrack.histogram import split_in_proportion
 from gradtrack.stats import L2, LINF, TENSOR_COLUMNS, DeviceIndex
@@ -107,7 +107,7 @@ class MeshReduction:
         proportion to their shard sizes: one all-gather, when watching starts."""
         params = [param for _, param in layers]
         keys = [piece_key(param, name) for name, param in layers]
-        local = [p.to_local() if is_dtensor(p) else p for p in params]  # type: ignore[attr-defined]
+        local = [local_tensor(p) for p in params]
         mesh_dims, coordinate = mesh_of(params)
         mine = torch.tensor(
             [*keys, *(t.numel() for t in local), *coordinate],

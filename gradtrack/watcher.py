@@ -24,7 +24,13 @@ from gradtrack.assemble import Assembler, FirstInWindow, PendingStep, report
 from gradtrack.collect import Collector, Guard
 from gradtrack.config import GradtrackConfig
 from gradtrack.courier import DropCount
-from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_group
+from gradtrack.distributed import (
+    LocalNormProbe,
+    RankGroup,
+    is_dtensor,
+    local_tensor,
+    rank_group,
+)
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.latch import BadStepLatch
@@ -94,7 +100,7 @@ class Watcher:
         if self.ranks is not None and self.ranks.layout == "sharded":
             self.mesh = self._mesh_reduction(self.ranks)
         elif self.collector.local_shards:  # each rank on its own: statistics of its shards
-            local = [p.to_local() for p in self.collector.params]  # type: ignore[attr-defined]
+            local = [local_tensor(p) for p in self.collector.params]
             self.collector.tensor_numel = np.array([t.numel() for t in local], dtype=np.int64)
         self.drops = DropCount(report)
         self.mailbox = Mailbox(

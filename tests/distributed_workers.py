@@ -160,14 +160,15 @@ MESH_LAYERS = ("norm", "up", "down")
 
 class MeshModel(nn.Module):
     """A LayerNorm (no tensor parallel: FSDP2 alone, or plain), then ``up``/``down`` Linears
-    for Colwise/Rowwise parallel. Odd sizes: 10 rows over 4 shards are 3 + 3 + 2 + 2."""
+    for Colwise/Rowwise parallel. ``up``'s 12 features split evenly over tp (Rowwise parallel
+    needs that); ``down``'s 5 rows over dp are 3 + 2, uneven."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.norm = nn.LayerNorm(6)
-        self.up = nn.Linear(6, 10)
-        self.down = nn.Linear(10, 5)
+        self.up = nn.Linear(6, 12)
+        self.down = nn.Linear(12, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.tanh(self.up(self.norm(x))))

@@ -237,7 +237,7 @@ def test_hsdp_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
 
 
 def test_tensor_parallel_alone_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
-    # tp=4: up's rows 3 + 3 + 3 + 1, down's bias Replicate, the norm a plain parameter.
+    # tp=4: down's bias Replicate, the norm a plain parameter (rank 0's copy counts).
     rank0, *others = _launch(workers.Case("tp"), tmp_path)
 
     _assert_full_gradient_statistics(rank0, others)
