@@ -148,26 +148,27 @@ class MeshReduction:
         rows, index, n = local.rows, local.tensor_index, self.owner.shape[1]
         device = rows.device
         on_device = self._index(index, device)
-        full = rows.new_zeros(n, TENSOR_COLUMNS + 1)  # the last column: present
-        full[on_device, :TENSOR_COLUMNS] = rows
-        full[on_device, TENSOR_COLUMNS] = 1.0
+        full = rows.new_zeros(n, TENSOR_COLUMNS)  # (a tensor without a gradient: zeros)
+        full[on_device] = rows
         flags = rows.new_full((RANK_FLAGS,), float("nan"))
         for i, flag in enumerate(local.flags[:RANK_FLAGS]):
             if flag is not None:
                 flags[i] = flag.to(device, torch.float64).reshape(())
-        mine, _ = self._sample_slots(index)
-        samples = rows.new_full((int(self.shares.sum(axis=1).max()),), float("nan"))
-        if local.samples:
-            samples[self._index(mine, device)] = torch.cat(local.samples).double()
+        samples = rows.new_full((0,), float("nan"))  # only on histogram steps (every rank's)
+        if local.sample_counts is not None:
+            mine, _ = self._sample_slots(index)
+            samples = rows.new_full((int(self.shares.sum(axis=1).max()),), float("nan"))
+            if local.samples:
+                samples[self._index(mine, device)] = torch.cat(local.samples).double()
         gathered = self.ranks.all_gather(torch.cat([full.reshape(-1), flags, samples]))
         if self.ranks.rank != 0:
             return local
         return self._combine(gathered, local)
 
     def _combine(self, gathered: Tensor, local: ShardStep) -> ShardStep:
-        world, n, width = self.ranks.world_size, self.owner.shape[1], TENSOR_COLUMNS + 1
+        world, n, width = self.ranks.world_size, self.owner.shape[1], TENSOR_COLUMNS
         index = local.tensor_index
-        rows = gathered[:, : n * width].reshape(world, n, width)[:, :, :TENSOR_COLUMNS]
+        rows = gathered[:, : n * width].reshape(world, n, width)
         owned = torch.where(self.owner.to(rows.device)[:, :, None], rows, 0.0)
         squares = owned.clone()
         squares[:, :, L2] = squares[:, :, L2].square()

@@ -254,3 +254,16 @@ def test_a_nan_on_one_rank_of_a_mesh_is_attributed_to_it(tmp_path: Path) -> None
     (event,) = [e for e in rank0["events"] if e.rule == "nonfinite"]
     assert event.ranks == (3,)
     assert "rank(s) 3 (replicate=1, shard=1)" in event.message
+
+
+def test_fsdp2_over_tensor_parallel_example_runs_under_torchrun(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "4", "--master_port", str(free_port()),
+         str(ROOT / "examples" / "tp_fsdp.py"), "--steps", "3", "--log-every", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("gradtrack step") == 2, result.stdout[-2000:]  # rank 0 only
+    assert "(dp=2, tp=2) mesh" in result.stdout
