@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,10 +106,7 @@ def _train(rank: int, case: Case) -> dict[str, Any]:
     with watcher:
         for step in range(STEPS):
             x, y = global_batch(step)
-            x, y = x[rank_slice(rank)], y[rank_slice(rank)]
-            if case.nan_on_rank == rank and step == STEPS - 1:
-                x = x.clone()
-                x[0, 0] = float("nan")
+            x, y = _poisoned(case, rank, step, x[rank_slice(rank)]), y[rank_slice(rank)]
             before = collectives["count"]
             optimizer.zero_grad()
             nn.functional.mse_loss(wrapped(x), y).backward()
@@ -138,6 +136,15 @@ def _train(rank: int, case: Case) -> dict[str, Any]:
     }
 
 
+def _poisoned(case: Case, rank: int, step: int, x: torch.Tensor) -> torch.Tensor:
+    """``x``, with a NaN on ``case.nan_on_rank``'s last step."""
+    if case.nan_on_rank != rank or step != STEPS - 1:
+        return x
+    x = x.clone()
+    x[0, 0] = float("nan")
+    return x
+
+
 def _count_collectives() -> dict[str, int]:
     """Count gradtrack's collectives: `RankGroup.all_gather` is the only one it issues. The
     wrapper counts and calls through to the real all-gather."""
@@ -154,7 +161,7 @@ def _count_collectives() -> dict[str, int]:
 
 # -- 4 ranks on a 2-D device mesh ------------------------------------------------------------
 MESH_RANKS = 4
-MESH_LAYOUTS = ("fsdp_tp", "hsdp", "tp")
+MESH_LAYOUTS = ("fsdp_tp", "hsdp", "tp", "sp")
 MESH_LAYERS = ("norm", "up", "down")
 
 
@@ -183,14 +190,25 @@ def _parallelize(layout: str) -> tuple[nn.Module, int, int]:
     """The model on ``layout``'s mesh; this rank's data-parallel index and their number."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
     model = MeshModel()
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    if layout == "sp":  # the norm's weights get Partial(sum) gradients: refused
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        sequence_parallel = {
+            "norm": SequenceParallel(sequence_dim=0),  # each tp rank its own rows
+            "up": ColwiseParallel(input_layouts=Shard(0)),
+            "down": RowwiseParallel(output_layouts=Shard(0)),
+        }
+        parallelize_module(model, mesh["tp"], sequence_parallel)
+        return model, mesh.get_coordinate()[1], 2  # type: ignore[index]
     if layout == "tp":
         mesh = init_device_mesh("cpu", (MESH_RANKS,), mesh_dim_names=("tp",))
         parallelize_module(model, mesh, plan)  # every rank sees the whole batch
@@ -218,12 +236,11 @@ def _train_on_mesh(rank: int, case: Case) -> dict[str, Any]:
         on_alert=(events := []).append, **case.options,
     )  # fmt: skip
     per_step, expected, full_grads = [], [], []
-    with watcher:
+    with watcher, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         for step in range(STEPS):
             x, y = (t[rank_slice(replica)] for t in mesh_batch(step, replicas * PER_RANK))
-            if case.nan_on_rank == rank and step == STEPS - 1:
-                x = x.clone()
-                x[0, 0] = float("nan")
+            x = _poisoned(case, rank, step, x)
             before = collectives["count"]
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
@@ -246,6 +263,7 @@ def _train_on_mesh(rank: int, case: Case) -> dict[str, Any]:
         "collectives_per_step": per_step,
         "expected": expected,
         "full_grads": full_grads,
+        "warnings": [str(w.message) for w in warned],
     }
 
 

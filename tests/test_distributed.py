@@ -165,17 +165,23 @@ def test_fsdp2_nan_counts_are_summed_over_shards(tmp_path: Path) -> None:
     assert [e.rule for e in rank0["events"]] == ["nonfinite"]
 
 
-def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
+def _torchrun(tmp_path: Path, nprocs: int, example: str, *args: str) -> str:
+    """Run ``examples/<example>`` under torchrun on ``nprocs`` CPU processes; its stdout."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(ROOT / "examples" / "ddp.py"), "--steps", "30", "--backend", "console"],
+        [str(torchrun), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()),
+         str(ROOT / "examples" / example), *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "grad/total_norm" in result.stdout or "total" in result.stdout, result.stdout[-2000:]
-    assert "rank 1" not in result.stdout  # one table, from rank 0
+    return result.stdout
+
+
+def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
+    stdout = _torchrun(tmp_path, 2, "ddp.py", "--steps", "30", "--backend", "console")
+    assert "grad/total_norm" in stdout or "total" in stdout, stdout[-2000:]
+    assert "rank 1" not in stdout  # one table, from rank 0
 
 
 def test_fsdp2_without_a_step_boundary_is_refused_clearly(tmp_path: Path) -> None:
@@ -231,9 +237,24 @@ def test_fsdp2_over_tensor_parallel_gives_the_full_gradients_statistics(tmp_path
 
 def test_hsdp_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
     # (replicate=2, shard=2): each piece is held twice; the replicas must not count double.
-    rank0, *others = _launch(workers.Case("hsdp"), tmp_path)
+    histograms = {"hist_every": workers.LOG_EVERY, "hist_sample_size": 9}
+    rank0, *others = _launch(workers.Case("hsdp", options=histograms), tmp_path)
 
     _assert_full_gradient_statistics(rank0, others)
+    for record in rank0["records"]:  # 9 of each layer's elements, drawn over its shards
+        assert {h.sample_size for h in record.histograms.values()} == {9}
+        assert set(record.histograms) == set(workers.MESH_LAYERS)
+
+
+def test_partial_gradients_are_refused_clearly_and_training_goes_on(tmp_path: Path) -> None:
+    # SequenceParallel: the norm's weights are Replicate, their gradients Partial(sum).
+    rank0, *_ = _launch(workers.Case("sp"), tmp_path)
+
+    assert rank0["records"] == []
+    (warning,) = [w for w in rank0["warnings"] if "gradtrack" in w]
+    assert "layer 'norm'" in warning and "Partial(sum)" in warning
+    assert "supported: Shard, _StridedShard" in warning
+    assert len(rank0["collectives_per_step"]) == workers.STEPS  # every step trained
 
 
 def test_tensor_parallel_alone_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
@@ -257,13 +278,6 @@ def test_a_nan_on_one_rank_of_a_mesh_is_attributed_to_it(tmp_path: Path) -> None
 
 
 def test_fsdp2_over_tensor_parallel_example_runs_under_torchrun(tmp_path: Path) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [str(torchrun), "--nproc_per_node", "4", "--master_port", str(free_port()),
-         str(ROOT / "examples" / "tp_fsdp.py"), "--steps", "3", "--log-every", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("gradtrack step") == 2, result.stdout[-2000:]  # rank 0 only
-    assert "(dp=2, tp=2) mesh" in result.stdout
+    stdout = _torchrun(tmp_path, 4, "tp_fsdp.py", "--steps", "3", "--log-every", "2")
+    assert stdout.count("gradtrack step") == 2, stdout[-2000:]  # steps 0 and 2, rank 0 only
+    assert "(dp=2, tp=2) mesh" in stdout
