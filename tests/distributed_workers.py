@@ -145,14 +145,16 @@ def _poisoned(case: Case, rank: int, step: int, x: torch.Tensor) -> torch.Tensor
     return x
 
 
-def _count_collectives() -> dict[str, int]:
+def _count_collectives() -> dict[str, Any]:
     """Count gradtrack's collectives: `RankGroup.all_gather` is the only one it issues. The
-    wrapper counts and calls through to the real all-gather."""
-    counter = {"count": 0}
+    wrapper counts them, notes how many elements each rank sent, and calls through to the
+    real all-gather."""
+    counter: dict[str, Any] = {"count": 0, "sent": []}
     real: Callable[..., Any] = RankGroup.all_gather
 
     def counted(self: RankGroup, local: torch.Tensor) -> torch.Tensor:
         counter["count"] += 1
+        counter["sent"].append(local.numel())
         return real(self, local)
 
     RankGroup.all_gather = counted  # type: ignore[method-assign]
@@ -264,6 +266,7 @@ def _train_on_mesh(rank: int, case: Case) -> dict[str, Any]:
         "expected": expected,
         "full_grads": full_grads,
         "warnings": [str(w.message) for w in warned],
+        "elements_sent": collectives["sent"],
     }
 
 

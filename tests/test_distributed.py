@@ -262,6 +262,13 @@ def test_tensor_parallel_alone_gives_the_full_gradients_statistics(tmp_path: Pat
     rank0, *others = _launch(workers.Case("tp"), tmp_path)
 
     _assert_full_gradient_statistics(rank0, others)
+    # No gradient travels: at watch, a key and a size per tensor and the rank's coordinate;
+    # per logged step 5 numbers per tensor and 2 flags (6 tensors, 215 elements), and on the
+    # histogram step (0) each rank's share of the samples, padded to the largest: rank 0's
+    # 53 owned elements (the plain norm's 12, down's replicated bias 5, its quarter of up's
+    # 84 and of down's weight 60), all drawn as the default sample exceeds the layers.
+    tensors, per_step = 6, 5 * 6 + 2
+    assert rank0["elements_sent"] == [2 * tensors + 1, per_step + 53, per_step, per_step]
 
 
 def test_a_nan_on_one_rank_of_a_mesh_is_attributed_to_it(tmp_path: Path) -> None:
