@@ -186,16 +186,16 @@ class Watcher:
             id(p): int(i) for p, i in zip(self.collector.params, self.collector.tensor_layer)
         }
         self._order_probe = BackwardOrderProbe(self.collector.params, layer_of)
-        if self.ranks is not None and self.ranks.rank != 0:
-            output_modules = []  # forward evidence is read only where records are made,
-            if self.mesh is not None:  # but for the output's: under sharding it travels to
-                # rank 0 with each rank's rows, naming the rank where a NaN arose
-                self._output_probe = OutputProbe(model, self._next_step_is_due)
-                self._handles.append(self._output_probe.handle)
-        else:
+        # Forward evidence is read only where records are made, but for the output's under
+        # sharding: each rank's travels to rank 0 with its rows, naming where a NaN arose.
+        records_here = self.ranks is None or self.ranks.rank == 0
+        if records_here or self.mesh is not None:
             self._output_probe = OutputProbe(model, self._next_step_is_due)
             self._handles.append(self._output_probe.handle)
+        if records_here:
             self._origin_probe = OriginProbe(unwrap_model(model))
+        else:
+            output_modules = []
         if output_modules:
             self._activation_probe = ActivationProbe(output_modules, self._next_step_is_due)
             self._handles.extend(self._activation_probe.handles)
