@@ -199,7 +199,7 @@ class GradtrackConfig(BaseModel):
     sink_buffer_steps: PositiveInt = Field(
         10_000,
         description="Steps waiting in memory for one sink that has no spool (memory, "
-        "console, your own); past it the oldest are dropped, counted and logged as "
+        "console, W&B, your own); past it the oldest are dropped, counted and logged as "
         "gradtrack/dropped.",
     )
     spool: bool = Field(
