@@ -40,7 +40,7 @@ from gradtrack.origin import OriginProbe, nonfinite_weight_layers
 from gradtrack.schedule import layer_schedule
 from gradtrack.sinks.base import GradientSink
 from gradtrack.skip import ForwardCounter, Journal, OptimizerGate, Skip, SkipPolicy
-from gradtrack.spike import LayerNorms, NormWindow, spike_fields
+from gradtrack.spike import LayerNorms, NormWindow, on_host, spike_fields
 from gradtrack.updates import UpdateProbe
 from gradtrack.worker import Mailbox, Outcome, Worker
 
@@ -436,7 +436,9 @@ class Watcher:
             return None, None
         try:
             norms = self._layer_norms(guard)
-            return norms, None if self._spikes is None else self._spikes.update(norms)
+            if self._spikes is None:
+                return norms, None
+            return norms, self._spikes.update(norms, host=on_host(guard))
         except Exception as exc:  # watching must never crash training
             self._collect_failed(step, exc)
             return None, None
@@ -478,12 +480,12 @@ class Watcher:
         if not self._guard_every_step:
             return True, False, None  # (FSDP2: the logged steps' summaries judge)
         judge_now = self._raise_on_alert or self._skips is not None
-        on_host = all(part.device.type == "cpu" for part in guard.devices)
-        if not judge_now and (self.guard_reads_host is False or not on_host):
+        cpu = all(part.device.type == "cpu" for part in guard.devices)
+        if not judge_now and (self.guard_reads_host is False or not cpu):
             return None
         if norms is None:
             return bool(guard.finite(wait=True)), False, None
-        if on_host:
+        if cpu:
             finite = bool(guard.finite())
             vector = torch.cat([norms, spike]) if spike is not None else norms
         else:  # the one read a raise or skip rule costs: every device's verdict with it

@@ -111,32 +111,33 @@ def test_benchmark_models_train_100_steps_without_a_spike_alarm(name: str) -> No
     assert [e for e in sink.events if e.rule == "spike"] == []
 
 
-def test_window_statistics_match_a_reference_over_the_last_steps() -> None:
-    """z and the typical norm against a straightforward numpy computation of the window."""
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+def test_window_statistics_match_a_reference_over_the_last_steps(host: bool) -> None:
+    """z, the typical norm and the flags against a straightforward numpy computation over
+    the window's accepted values (absent and non-finite norms are not accepted)."""
     rng = np.random.default_rng(0)
     series = np.exp(rng.normal(0.0, 0.1, size=(40, 2)))
     series[30, 1] *= 300.0  # a spike in layer 0's column
+    series[20, 1] = 0.0  # layer 0 without a gradient
+    series[25] = np.nan  # a non-finite step
     window = NormWindow(1, window=16, warmup=8, z=[6.0, 6.0], ratio=[3.0, 3.0], enabled=[1, 1])
-    accepted: list[np.ndarray] = []
+    slots: list[list[float]] = [[], []]  # per column, the window's last 16 steps (NaN: none)
     for step, norms in enumerate(series):
-        fields = spike_fields(window.update(torch.tensor(norms)).numpy())
-        logs = np.log10(norms)
-        past = np.array(accepted[-16:])
-        if len(past) >= 1:
-            mean, std = past.mean(axis=0), np.maximum(past.std(axis=0), 1e-3)
-            np.testing.assert_allclose(fields["spike_z"], (logs - mean) / std, rtol=1e-9)
-            np.testing.assert_allclose(fields["spike_typical"], 10**mean, rtol=1e-9)
-            expected = (
-                (len(past) >= 8) & ((logs - mean) / std > 6.0) & (logs - mean > math.log10(3))
-            )
-            assert fields["spiking"].tolist() == expected.tolist(), step
-            assert expected[1] == (step == 30)
-            logs = np.where(expected, mean + 6.0 * std, logs)  # a spike enters clipped
-        accepted.append(logs)
-    assert spike_fields(window.update(torch.tensor([1.0, 1.0])).numpy())["spiking"].tolist() == [
-        False,
-        False,
-    ]
+        fields = spike_fields(window.update(torch.tensor(norms), host=host).numpy())
+        for column in range(2):
+            past = np.array([v for v in slots[column][-16:] if math.isfinite(v)])
+            log = math.log10(norms[column]) if norms[column] > 0 else math.nan
+            spiked = False
+            if len(past) and math.isfinite(log):
+                mean, std = past.mean(), max(past.std(), 1e-3)
+                z = (log - mean) / std
+                assert fields["spike_z"][column] == pytest.approx(z, rel=1e-9)
+                assert fields["spike_typical"][column] == pytest.approx(10**mean, rel=1e-9)
+                spiked = len(past) >= 8 and z > 6.0 and log - mean > math.log10(3)
+                log = mean + 6.0 * std if spiked else log  # a spike enters clipped
+            assert bool(fields["spiking"][column]) == spiked, (step, column)
+            assert spiked == (step == 30 and column == 1)
+            slots[column].append(log)
 
 
 def test_window_and_warmup_are_refused_as_layer_overrides() -> None:
