@@ -37,7 +37,7 @@ import gradtrack
 from benchmarks.models import MODELS
 from gradtrack.sinks import MemorySink
 from gradtrack.skip import SkipPolicy
-from gradtrack.spike import LayerNorms, NormWindow, spike_fields
+from gradtrack.spike import LayerNorms, NormWindow, on_host, spike_fields
 from gradtrack.updates import UpdateProbe
 
 
@@ -76,12 +76,12 @@ def measure(name: str, reps: int) -> dict[str, float]:
     def guard_spike() -> None:
         checked = collector.guard(exact=False)
         checked.finite()
-        spikes.update(layer_norms(checked))
+        spikes.update(layer_norms(checked), host=on_host(checked))
 
     def guard_skip() -> None:
         checked = collector.guard(exact=False)
         norms = layer_norms(checked)
-        host = torch.cat([norms, spikes.update(norms)]).numpy()
+        host = torch.cat([norms, spikes.update(norms, host=on_host(checked))]).numpy()
         spike_fields(host[len(norms) :])
         policy.decide(bool(checked.finite()), host[: len(norms)], host[len(norms) :])
 
