@@ -485,17 +485,17 @@ class Watcher:
             return None
         if norms is None:
             return bool(guard.finite(wait=True)), False, None
-        if cpu:
+        if cpu:  # host memory already: nothing to wait for, nothing to copy
             finite = bool(guard.finite())
-            vector = torch.cat([norms, spike]) if spike is not None else norms
+            layer_norms = norms.numpy()
+            spike_host = None if spike is None else spike.numpy()
         else:  # the one read a raise or skip rule costs: every device's verdict with it
             flags = [torch.isfinite(part.l2).all().to(norms.device) for part in guard.devices]
             parts = [torch.stack(flags).double(), norms, *([] if spike is None else [spike])]
-            read = torch.cat(parts).cpu()
-            finite, vector = bool(read[: len(flags)].numpy().all()), read[len(flags) :]
-        host = vector.numpy()
-        layer_norms = host[: len(norms)]
-        spike_host = host[len(norms) :] if spike is not None else None
+            read = torch.cat(parts).cpu().numpy()
+            finite = bool(read[: len(flags)].all())
+            layer_norms = read[len(flags) : len(flags) + len(norms)]
+            spike_host = None if spike is None else read[len(flags) + len(norms) :]
         spiking = spike_host is not None and bool(spike_fields(spike_host)["spiking"].any())
         skip = None
         if self._skips is not None:

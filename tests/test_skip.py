@@ -4,7 +4,7 @@ goes on, and the journal names the step (with the default schedule, ``log_every=
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,7 @@ OPTIMIZERS: dict[str, Optimizers] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_and_batch() -> tuple[nn.Module, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
@@ -100,6 +95,16 @@ class Run:
         return same(w0, w1) and same(s0, s1)
 
 
+def watch_skipping(
+    model: nn.Module, optimizer: torch.optim.Optimizer, journal: Path, **skip: Any
+) -> gradtrack.Watcher:
+    """A watcher whose nonfinite rule skips, journaling to ``journal``."""
+    return gradtrack.watch(
+        model, backend=MemorySink(), optimizer=optimizer,
+        alerts={"nonfinite": {"action": "skip"}}, skip={"journal": journal, **skip},
+    )  # fmt: skip
+
+
 def nan_at(*steps: int) -> Callable[[int, nn.Module], None]:
     def poison(step: int, model: nn.Module) -> None:
         if step in steps:
@@ -139,11 +144,7 @@ def test_consecutive_skips_escalate_to_raise(tmp_path: Path) -> None:
     model, batch = model_and_batch()
     optimizer = OPTIMIZERS["adamw"](model)
     journal = tmp_path / "journal.json"
-    watcher = gradtrack.watch(
-        model, backend=MemorySink(), optimizer=optimizer,
-        alerts={"nonfinite": {"action": "skip"}},
-        skip={"max_consecutive": 3, "journal": journal},
-    )  # fmt: skip
+    watcher = watch_skipping(model, optimizer, journal, max_consecutive=3)
     raised_at = None
     with watcher:
         for step in range(20):
@@ -197,10 +198,7 @@ def test_micro_batches_of_a_skipped_step_with_gradient_accumulation(tmp_path: Pa
     model, batch = model_and_batch()
     optimizer = OPTIMIZERS["sgd_momentum"](model)
     journal = tmp_path / "skipped_steps.json"
-    watcher = gradtrack.watch(
-        model, backend=MemorySink(), optimizer=optimizer,
-        alerts={"nonfinite": {"action": "skip"}}, skip={"journal": journal},
-    )  # fmt: skip
+    watcher = watch_skipping(model, optimizer, journal)
     with watcher:
         for step in range(6):
             optimizer.zero_grad()
@@ -226,10 +224,7 @@ def test_the_step_wrapper_leaves_no_trace_and_works_under_an_lr_scheduler(tmp_pa
     model, batch = model_and_batch()
     optimizer = OPTIMIZERS["sgd_momentum"](model)
     reference = copy.deepcopy(model)
-    with gradtrack.watch(
-        model, backend=MemorySink(), optimizer=optimizer,
-        alerts={"nonfinite": {"action": "skip"}}, skip={"journal": tmp_path / "j.json"},
-    ):  # fmt: skip
+    with watch_skipping(model, optimizer, tmp_path / "j.json"):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)  # wraps step too
         for step in range(4):
             x, y = batch(step)
@@ -240,9 +235,5 @@ def test_the_step_wrapper_leaves_no_trace_and_works_under_an_lr_scheduler(tmp_pa
     assert scheduler.last_epoch == 4
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
     fresh = OPTIMIZERS["sgd_momentum"](reference)
-    with gradtrack.watch(
-        reference, backend=MemorySink(), optimizer=fresh,
-        alerts={"nonfinite": {"action": "skip"}}, skip={"journal": tmp_path / "k.json"},
-    ):  # fmt: skip
-        pass
+    watch_skipping(reference, fresh, tmp_path / "k.json").close()
     assert "step" not in vars(fresh)  # closed: the optimizer's own step again

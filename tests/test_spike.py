@@ -4,7 +4,6 @@ with the default rules, and healthy training raises nothing."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,14 +15,7 @@ from benchmarks.models import MODELS
 from gradtrack.sinks import MemorySink
 from gradtrack.spike import NormWindow, spike_fields
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: one thread (competing threads on a shared machine slow them many times)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def regression_model() -> nn.Sequential:

@@ -4,7 +4,6 @@ logged steps (AdamW with weight decay: momentum, preconditioning and decay inclu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,13 +16,7 @@ from gradtrack.record import scalar_metrics
 from gradtrack.sinks import MemorySink
 from tests.conftest import SmallCNN, cnn_batch
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def layer_norms(model: nn.Module) -> dict[str, list[torch.Tensor]]:
