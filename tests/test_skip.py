@@ -218,6 +218,12 @@ def test_skip_is_refused_where_it_cannot_act() -> None:
         gradtrack.watch(nn.Linear(2, 2), alerts={"vanishing": {"action": "skip"}})
     with pytest.raises(gradtrack.GradtrackError, match="needs optimizer="):
         gradtrack.watch(nn.Linear(2, 2), alerts={"nonfinite": {"action": "skip"}})
+    model = nn.Linear(2, 2)
+    with pytest.raises(gradtrack.GradtrackError, match="without scaler="):
+        gradtrack.watch(
+            model, optimizer=torch.optim.SGD(model.parameters()),
+            alerts={"spike": {"action": "skip"}}, scaler=torch.amp.GradScaler("cpu"),
+        )  # fmt: skip
 
 
 def test_the_step_wrapper_leaves_no_trace_and_works_under_an_lr_scheduler(tmp_path: Path) -> None:
