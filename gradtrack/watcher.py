@@ -137,6 +137,8 @@ class Watcher:
         self._per_layer_due = layer_schedule(config)
         # So does the first non-finite step of each window, logged or not (the guard's find).
         self._first_bad_due = FirstInWindow(config.layer_every)
+        # And the first spiking one, apart: a spike must not take a later NaN's place.
+        self._first_spike_due = FirstInWindow(config.layer_every)
         # None: the guard's verdict is read at each step on the CPU, and latched on the
         # device for the next logged step elsewhere (`gradtrack.latch`); False: latched
         # everywhere (how tests take the accelerator's path on a CPU).
@@ -393,19 +395,20 @@ class Watcher:
             if error is None and self._journal is not None:
                 self._write_journal(step, skip, micro_batches)
             skip = None if error is not None else skip
-        if flagged and not guard.exact:  # a flagged step is summarised: exact norms
-            guard = self._guard(step, exact=True) or guard
-        first_bad = flagged and self._first_bad_due(step)
+        first_bad = bad and self._first_bad_due(step)
+        first_flagged = first_bad or (spiked and not bad and self._first_spike_due(step))
         origin = None
         if bad and (logged or with_samples or first_bad or self._raise_on_alert or skip):
             origin = self._origin(replay=first_bad or self._raise_on_alert or bool(skip))
         if self._origin_probe is not None:
             self._origin_probe.forget()  # the step's inputs and output gradient
         judged = flagged and (self._raise_on_alert or error is not None)
-        if not (logged or with_samples or first_bad or judged or skip is not None):
+        if not (logged or with_samples or first_flagged or judged or skip is not None):
             return False  # the common case: one pass over the gradients, nothing handed off
+        if not guard.exact:  # a bad or skipped step is summarised: its norms must be exact
+            guard = self._guard(step, exact=True) or guard
         due = logged or with_samples
-        per_layer = (due and self._per_layer_due(step)) or first_bad
+        per_layer = (due and self._per_layer_due(step)) or first_flagged
         pending = self._collect(guard, step, with_samples, backward_order, per_layer, due, spike)
         if pending is not None:
             pending.origin = origin

@@ -135,3 +135,10 @@ def test_window_statistics_match_a_reference_over_the_last_steps(host: bool) -> 
 def test_window_and_warmup_are_refused_as_layer_overrides() -> None:
     with pytest.raises(gradtrack.GradtrackError, match="window apply to every layer"):
         gradtrack.watch(nn.Linear(2, 2), alerts={"layers": {"*": {"spike": {"window": 8}}}})
+
+
+def test_a_spike_does_not_take_a_later_nan_steps_place_in_its_window() -> None:
+    """Both are summarised at their own (unlogged) steps, in one layer_every window."""
+    sink, _ = train(regression_model(), 135, {123: 300.0, 125: math.nan})
+    assert {e.step for e in sink.events if e.rule == "spike"} == {123}
+    assert [e.step for e in sink.events if e.rule == "nonfinite"][0] == 125
