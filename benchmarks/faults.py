@@ -1,6 +1,6 @@
 """Steps stored through a tracker's faults, and what the fault costs the training loop.
 
-    python -m benchmarks.faults [--steps 1200] [--pace-ms 25] [--faults freeze kill late slow]
+    python -m benchmarks.faults [--steps 1200] [--pace-ms 25] [--faults FAULT ...]
 
 For each fault, a fresh real `mlflow server` (sqlite store, loopback) and a small model
 trained for ``--steps`` steps at ``--pace-ms`` per step (0: as fast as the loop runs), with
@@ -9,6 +9,7 @@ gradtrack logging every step. At a quarter of the run the fault begins:
 - freeze: the server is stopped with SIGSTOP for 15 s, then resumed;
 - kill: the server is killed, and started again on the same store 5 s later;
 - late: the server is not running at the start, and starts 10 s into the run;
+- locked: no server: the embedded sqlite store, locked by another process for 15 s;
 - slow: a second sink beside MLflow takes 50 ms per write for the whole run.
 
 Reported: steps stored / steps logged (each step counted once; duplicates reported apart),
@@ -37,7 +38,7 @@ from torch import nn
 import gradtrack
 from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink, MlflowSink
-from tests.sinks.mlflow_server import MlflowServer
+from tests.sinks.mlflow_server import MlflowServer, lock_sqlite
 
 
 class SlowSink(MemorySink):
@@ -50,6 +51,7 @@ FAULTS: dict[str, tuple[Callable[[MlflowServer], None] | None, bool]] = {
     "freeze": (lambda server: server.freeze(15.0), True),
     "kill": (lambda server: server.restart(5.0), True),
     "late": (lambda server: server.start_after(10.0), False),
+    "locked": (lambda server: lock_sqlite(Path(server.backend_store_uri[10:]), 15.0), False),
     "slow": (None, True),
 }
 
@@ -57,6 +59,8 @@ FAULTS: dict[str, tuple[Callable[[MlflowServer], None] | None, bool]] = {
 def run(fault: str, steps: int, pace_s: float, root: Path) -> dict[str, Any]:
     inject, running = FAULTS[fault]
     server = MlflowServer(f"sqlite:///{root / 'mlflow.db'}", root)
+    embedded = fault == "locked"  # the default store, no server: MLflow's own client writes it
+    uri = server.backend_store_uri if embedded else server.uri
     if running:
         server.start()
     model = nn.Linear(64, 1)
@@ -64,18 +68,20 @@ def run(fault: str, steps: int, pace_s: float, root: Path) -> dict[str, Any]:
     backends: list[Any] = ["mlflow"] + ([SlowSink()] if fault == "slow" else [])
     baseline = [_timed_step(model, optimizer) for _ in range(200)]  # unwatched
     step_s: list[float] = []
-    start_at = steps // 4 if running else 0
+    start_at = steps // 4 if running or embedded else 0
     end_at = steps  # the step at which the fault was over
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             watcher = gradtrack.watch(
                 model, backend=backends, optimizer=optimizer, log_every=1, hist_every=None,
-                flush_timeout_s=300, mlflow={"tracking_uri": server.uri, "retry_max_s": 2},
+                flush_timeout_s=300, mlflow={"tracking_uri": uri, "retry_max_s": 2},
             )  # fmt: skip
             faulting = None if inject is None else threading.Thread(target=inject, args=(server,))
             for step in range(steps):
                 if step == start_at and faulting is not None:
+                    if embedded:
+                        watcher.flush(timeout_s=120)  # the store exists: lock it
                     faulting.start()
                 step_s.append(_timed_step(model, optimizer))
                 if faulting is not None and end_at == steps and not faulting.is_alive():
@@ -89,7 +95,7 @@ def run(fault: str, steps: int, pace_s: float, root: Path) -> dict[str, Any]:
 
         sink = watcher.sinks[0]
         assert isinstance(sink, MlflowSink) and sink.run_id is not None
-        history = mlflow.MlflowClient(server.uri).get_metric_history(sink.run_id, "grad/total_norm")
+        history = mlflow.MlflowClient(uri).get_metric_history(sink.run_id, "grad/total_norm")
     finally:
         server.stop()
     stored = [m.step for m in history]

@@ -650,7 +650,7 @@ class Watcher:
         if not self.worker.request("stop", timeout_s, outcome):
             warnings.warn(
                 f"gradtrack's sinks did not finish within flush_timeout_s={timeout_s}; "
-                "steps still queued may be lost",
+                + self.worker.sync_hint(),
                 RuntimeWarning,
                 stacklevel=2,
             )

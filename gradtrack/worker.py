@@ -164,6 +164,7 @@ class Worker:
             else:
                 courier = Courier(sink, config.sink_buffer_steps, drops, report)
             self.couriers.append(courier)
+        self._sync_told = False  # the sync command was named already
         self.record_errors = 0
         self.callback_errors = 0
         self.assembler = assembler
@@ -303,19 +304,26 @@ class Worker:
                     "delivered, its bound (spool_mib)",
                 )
 
-    @staticmethod
-    def _release_spool(spool: Spool) -> None:
+    def _release_spool(self, spool: Spool) -> None:
         """Delete the spool once every sink confirmed it; else keep it and say how to sync."""
         left = spool.undelivered()
         spool.close()
         if left == 0:
             spool.remove()
-            return
-        report(
-            f"gradtrack could not deliver {left} item(s) (steps and alerts) to every tracker "
-            f"before closing; they are kept in {spool.path}. Deliver them with: "
-            f"gradtrack sync {spool.path}"
-        )
+        elif not self._sync_told:
+            self._sync_told = True
+            report(
+                f"gradtrack could not deliver {left} item(s) (steps and alerts) to every "
+                f"tracker before closing; {self.sync_hint()}"
+            )
+
+    def sync_hint(self) -> str:
+        """Where undelivered items wait, and the command that delivers them."""
+        if self.spool is None:
+            return "steps still queued may be lost"
+        self._sync_told = True
+        path = self.spool.path
+        return f"they are kept in {path}; deliver them with: gradtrack sync {path}"
 
 
 def sink_id(index: int, sink: GradientSink) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -154,6 +156,10 @@ def run_without(modules: list[str], code: str) -> str:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+# Spools of session-wide fixtures (set up before any test's own folder exists) go here.
+os.environ["GRADTRACK_SPOOL_DIR"] = tempfile.mkdtemp(prefix="gradtrack-test-spool-")
 
 
 @pytest.fixture(autouse=True)

@@ -442,10 +442,7 @@ class MlflowSink:
         self._retry_at = time.monotonic() + self._backoff_s
         if not self._outage_reported:
             self._outage_reported = True
-            kept = (
-                f"steps are buffered (up to {self.options.max_buffered_steps}) and retried "
-                "with backoff"
-            )
+            kept = "steps wait (in the run's spool) and are retried with backoff"
             if isinstance(error, AuthError):
                 _warn(
                     f"MLflow at {self.tracking_uri} refused gradtrack's credentials ({error}): "
@@ -509,10 +506,11 @@ def read_alerts(
                 run_id=run_id, artifact_path=name, dst_path=directory, tracking_uri=tracking_uri
             )
             lines = Path(local).read_text().splitlines()
-            events += [AlertEvent.model_validate(json.loads(line)) for line in lines if line]
-    # One copy of each: a resumed delivery may repeat the last alerts before a crash.
-    unique = {event.model_dump_json(): event for event in events}
-    return sorted(unique.values(), key=lambda event: event.step)
+            # A resumed delivery may repeat the last alerts another file already holds.
+            seen = {event.model_dump_json() for event in events}
+            fresh = [AlertEvent.model_validate(json.loads(line)) for line in lines if line]
+            events += [event for event in fresh if event.model_dump_json() not in seen]
+    return sorted(events, key=lambda event: event.step)
 
 
 def _portable_uri(uri: str | None) -> str | None:

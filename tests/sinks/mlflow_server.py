@@ -95,3 +95,21 @@ class MlflowServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=15)
+
+
+def lock_sqlite(path: Path, seconds: float) -> None:
+    """Another process holds an exclusive lock on the sqlite store ``path`` for ``seconds``
+    (a backup, a second writer, a `sqlite3` shell left in a transaction)."""
+    code = (
+        "import sqlite3, sys, time\n"
+        "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "db.execute('BEGIN EXCLUSIVE')\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(float(sys.argv[2]))\n"
+        "db.execute('COMMIT')\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code, str(path), str(seconds)], stdout=subprocess.PIPE, text=True
+    ) as holder:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        holder.wait(timeout=seconds + 60)

@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from tests.sinks.mlflow_server import MlflowServer
+from tests.sinks.mlflow_server import MlflowServer, lock_sqlite
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -33,38 +34,67 @@ FAULTS = {
 }
 
 
+def train_through_fault(
+    uri: str,
+    fault_at: int,
+    inject: Callable[[], None],
+    before: Callable[[gradtrack.Watcher], object] = lambda watcher: None,
+) -> gradtrack.Watcher:
+    """STEPS steps at STEP_S each, every step logged to MLflow at ``uri``; at step ``fault_at``
+    ``before(watcher)`` runs, then the fault starts on a thread of its own. The watcher is
+    closed (after the fault)."""
+    model = nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "cannot reach MLflow": expected
+        watcher = gradtrack.watch(
+            model, backend="mlflow", optimizer=optimizer, log_every=1, hist_every=None,
+            flush_timeout_s=120, mlflow={"tracking_uri": uri, "retry_max_s": 2},
+        )  # fmt: skip
+        faulting = threading.Thread(target=inject)
+        for step in range(STEPS):
+            if step == fault_at:
+                before(watcher)
+                faulting.start()
+            optimizer.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            optimizer.step()
+            time.sleep(STEP_S)
+        faulting.join()
+        watcher.close()
+    return watcher
+
+
+def assert_every_step_stored_once(watcher: gradtrack.Watcher, uri: str) -> None:
+    assert watcher.dropped_steps == 0
+    run_id = watcher.sinks[0].run_id
+    history = mlflow.MlflowClient(uri).get_metric_history(run_id, "grad/total_norm")
+    assert sorted(m.step for m in history) == list(range(STEPS))  # every step, each once
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_every_step_stored_once_through_a_server_fault(tmp_path: Path, fault: str) -> None:
     inject, running = FAULTS[fault]
     server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)
     if running:
         server.start()
-    model = nn.Linear(16, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # "cannot reach MLflow": expected
-            watcher = gradtrack.watch(
-                model, backend="mlflow", optimizer=optimizer, log_every=1, hist_every=None,
-                flush_timeout_s=120, mlflow={"tracking_uri": server.uri, "retry_max_s": 2},
-            )  # fmt: skip
-            faulting = threading.Thread(target=inject, args=(server,))
-            for step in range(STEPS):
-                if step == (300 if running else 0):
-                    faulting.start()
-                optimizer.zero_grad()
-                model(torch.randn(8, 16)).pow(2).mean().backward()
-                optimizer.step()
-                time.sleep(STEP_S)
-            faulting.join()
-            watcher.close()
-        assert watcher.dropped_steps == 0
-        run_id = watcher.sinks[0].run_id
-        history = mlflow.MlflowClient(server.uri).get_metric_history(run_id, "grad/total_norm")
-        steps = sorted(m.step for m in history)
-        assert steps == list(range(STEPS))  # every step, each once
+        watcher = train_through_fault(server.uri, 300 if running else 0, lambda: inject(server))
+        assert_every_step_stored_once(watcher, server.uri)
     finally:
         server.stop()
+
+
+def test_every_step_stored_once_through_a_locked_sqlite_store(tmp_path: Path) -> None:
+    """The embedded default store, locked by another process for 15 s mid-run (MLflow's
+    store waits on the lock, so the sink's writes block meanwhile: the steps wait)."""
+    database = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{database}"
+    watcher = train_through_fault(
+        uri, 300, lambda: lock_sqlite(database, 15.0),
+        before=lambda watcher: watcher.flush(timeout_s=120),  # the store exists: lock it
+    )  # fmt: skip
+    assert_every_step_stored_once(watcher, uri)
 
 
 def test_a_cold_start_loses_nothing_in_a_tight_loop(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
-import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ from torch import nn
 import gradtrack
 from gradtrack.alerts import AlertEvent
 from gradtrack.record import StepRecord
+from gradtrack.sinks.mlflow import read_alerts
 from gradtrack.spool import Spool, SpoolError
 from tests.sinks.mlflow_server import MlflowServer, free_port
 
@@ -76,7 +77,7 @@ def test_a_torn_last_frame_ends_the_log_and_a_foreign_pickle_is_refused(tmp_path
             return (print, ("this must never run",))
 
     reopened.append(Payload())
-    with pytest.raises(pickle.UnpicklingError, match="cannot hold builtins.print"):
+    with pytest.raises(pickle.UnpicklingError, match=r"cannot hold builtins\.print"):
         list(reopened.reader(2).items())
     reopened.close()
 
@@ -96,7 +97,8 @@ def test_past_its_disk_bound_the_spool_drops_counts_and_warns(
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(40)])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     uri = f"http://127.0.0.1:{free_port()}"
-    with pytest.warns(RuntimeWarning, match="spool_mib") as caught:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         watcher = gradtrack.watch(
             model, backend="mlflow", optimizer=optimizer, log_every=1, spool_mib=1,
             flush_timeout_s=1, mlflow={"tracking_uri": uri, "retry_max_s": 1},
@@ -114,14 +116,15 @@ def test_past_its_disk_bound_the_spool_drops_counts_and_warns(
     assert any(f"gradtrack sync {kept}" in str(w.message) for w in caught)
 
 
-def run_child(uri: str, steps: int, end: str, spool_root: Path, *extra: str) -> None:
+def run_child(uri: str, steps: int, end: str, spool_root: Path, *extra: str) -> str:
+    """Run `tests.sinks.spool_child`; its stdout and stderr."""
     env = {"GRADTRACK_SPOOL_DIR": str(spool_root), "PYTHONPATH": str(REPO), "PATH": ""}
     result = subprocess.run(
         [sys.executable, "-m", "tests.sinks.spool_child", uri, str(steps), end, *extra],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert "trained" in result.stdout, result.stderr[-3000:]
-    return None
+    return result.stdout + result.stderr
 
 
 def sync_cli(spool_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -168,19 +171,19 @@ def test_resent_items_after_a_crash_are_stored_once(tmp_path: Path, spool_in_tmp
     try:
         run_child(server.uri, 300, "kill", spool_in_tmp, "155")
         (left,) = list(spool_in_tmp.iterdir())
-        assert stored_steps(server.uri) == list(range(0, 300, 10))  # delivered before the kill
+        logged = sorted([*range(0, 300, 10), 155])  # the NaN step is summarised at its step
+        assert stored_steps(server.uri) == logged  # delivered before the kill
+        client = mlflow.MlflowClient(server.uri)
+        (run,) = client.search_runs([client.get_experiment_by_name("gradtrack").experiment_id])
+        alerts = [(a.rule, a.step) for a in read_alerts(run.info.run_id, server.uri)]
+        assert ("nonfinite", 155) in alerts
         for cursor in left.glob("*.cursor"):
             cursor.write_text("0")  # as if no confirmation had been saved
         synced = sync_cli(spool_in_tmp)
         assert synced.returncode == 0, synced.stdout + synced.stderr
-        client = mlflow.MlflowClient(server.uri)
-        (run,) = client.search_runs([client.get_experiment_by_name("gradtrack").experiment_id])
-        assert stored_steps(server.uri) == list(range(0, 300, 10))  # still each once
-        assert run.info.status == "KILLED"  # its process died without a word
-        from gradtrack.sinks.mlflow import read_alerts
-
-        alerts = read_alerts(run.info.run_id, server.uri)
-        assert [(a.rule, a.step) for a in alerts if a.rule == "nonfinite"] == [("nonfinite", 155)]
+        assert stored_steps(server.uri) == logged  # still each once
+        assert [(a.rule, a.step) for a in read_alerts(run.info.run_id, server.uri)] == alerts
+        assert client.get_run(run.info.run_id).info.status == "KILLED"  # it died without a word
     finally:
         server.stop()
 
@@ -188,36 +191,50 @@ def test_resent_items_after_a_crash_are_stored_once(tmp_path: Path, spool_in_tmp
 def test_a_close_that_times_out_names_the_sync_command_which_delivers_the_rest(
     tmp_path: Path, spool_in_tmp: Path
 ) -> None:
-    """The server freezes (SIGSTOP) mid-run and is still frozen at close (flush_timeout_s=3):
-    the steps it missed stay in the spool; once it is back, sync puts them into the same run."""
+    """The server freezes (SIGSTOP) halfway through a run and is still frozen when the script
+    closes (flush_timeout_s=3) and exits: the steps it missed stay in the spool, the warning
+    names the command, and once the server is back sync puts them into the same run."""
     server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path).start()
+    assert server.process is not None
     try:
-        model = nn.Linear(8, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        with pytest.warns(RuntimeWarning) as caught:
-            watcher = gradtrack.watch(
-                model, backend="mlflow", optimizer=optimizer, flush_timeout_s=3,
-                mlflow={"tracking_uri": server.uri, "retry_max_s": 1, "request_timeout_s": 2},
-            )  # fmt: skip
-            for step in range(400):
-                if step == 200:
-                    watcher.flush(timeout_s=30)
-                    server.pause()
-                optimizer.zero_grad()
-                model(torch.randn(8, 8)).pow(2).mean().backward()
-                optimizer.step()
-            watcher.close()
+        output = run_child(server.uri, 400, "close", spool_in_tmp, "-1", str(server.process.pid))
         (left,) = list(spool_in_tmp.iterdir())
-        assert any(f"gradtrack sync {left}" in str(w.message) for w in caught)
+        assert f"gradtrack sync {left}" in output
+        run_id = output.split("run ")[1].split()[0]
         server.resume()
-        run_id = watcher.sinks[0].run_id
-        assert len(stored_steps(server.uri, run_id)) < 40
+        assert stored_steps(server.uri, run_id) == list(range(0, 200, 10))
         synced = sync_cli(left)
         assert synced.returncode == 0, synced.stdout + synced.stderr
-        assert stored_steps(server.uri, run_id) == list(range(0, 400, 10))
+        assert stored_steps(server.uri, run_id) == list(range(0, 400, 10))  # each once
         run = mlflow.MlflowClient(server.uri).get_run(run_id)
-        assert run.info.status == "FINISHED"  # ended once everything was in
+        assert run.info.status == "FINISHED"  # ended once everything was in, as it ended
         assert not left.exists()
     finally:
         server.resume()
         server.stop()
+
+
+def test_without_the_spool_steps_wait_in_memory_and_no_folder_is_made(
+    tmp_path: Path, spool_in_tmp: Path
+) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with gradtrack.watch(
+        model, backend="mlflow", optimizer=optimizer, spool=False, mlflow={"tracking_uri": uri}
+    ) as watcher:
+        for _ in range(30):
+            optimizer.zero_grad()
+            model(torch.randn(8, 8)).pow(2).mean().backward()
+            optimizer.step()
+    assert not spool_in_tmp.exists()
+    assert stored_steps(uri, watcher.sinks[0].run_id) == [0, 10, 20]
+
+
+def test_sync_of_something_that_is_no_spool_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a spool")
+    result = sync_cli(tmp_path / "a-file")
+    assert result.returncode == 2
+    assert "neither a gradtrack spool nor a folder of spools" in result.stderr
+    empty = sync_cli(tmp_path)
+    assert empty.returncode == 0 and "nothing to sync" in empty.stderr
