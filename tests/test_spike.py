@@ -141,4 +141,4 @@ def test_a_spike_does_not_take_a_later_nan_steps_place_in_its_window() -> None:
     """Both are summarised at their own (unlogged) steps, in one layer_every window."""
     sink, _ = train(regression_model(), 135, {123: 300.0, 125: math.nan})
     assert {e.step for e in sink.events if e.rule == "spike"} == {123}
-    assert [e.step for e in sink.events if e.rule == "nonfinite"][0] == 125
+    assert next(e.step for e in sink.events if e.rule == "nonfinite") == 125
