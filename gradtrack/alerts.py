@@ -191,7 +191,12 @@ class AlertEngine:
                 f"{record.activation_origin}, so it arose in the backward of what follows it"
             )
         ranks = record.nonfinite_ranks
-        if ranks:
+        if ranks and record.nonfinite_rank_places:
+            counts += (
+                f"; it arose on rank(s) {', '.join(record.nonfinite_rank_places)}, whose model "
+                "output or its gradient was non-finite — look at that batch"
+            )
+        elif ranks:
             counts += (
                 f"; before the all-reduce it was non-finite on rank(s) "
                 f"{', '.join(map(str, ranks))} only — look at that rank's batch"

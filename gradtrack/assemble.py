@@ -23,6 +23,7 @@ from gradtrack.courier import DropCount
 from gradtrack.distributed import RankGroup, rank_layer_norms
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.latch import latched_step
+from gradtrack.mesh import RANK_FLAGS, MeshReduction
 from gradtrack.record import StepRecord, summarise_layers
 from gradtrack.redact import redact
 from gradtrack.spike import spike_fields
@@ -97,6 +98,7 @@ class Assembler:
         latch_size: int = 0,
         drops: DropCount | None = None,
         spike_size: int = 0,
+        mesh: MeshReduction | None = None,
     ) -> None:
         self.alert_engine = alert_engine
         self.drops = drops
@@ -112,6 +114,7 @@ class Assembler:
         self._first_bad_in_window = FirstInWindow(config.layer_every)
         self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
         self._gather_ranks = config.distributed.gather_ranks
+        self._mesh = mesh
         self._layer_position = {name: i for i, name in enumerate(collector.layer_names)}
 
     def assemble(self, pending: PendingStep) -> AssembledStep:
@@ -240,6 +243,8 @@ class Assembler:
     def _ranks(self, local_norms: np.ndarray, layers: tuple[str, ...]) -> dict[str, Any]:
         """Replicated ranks' local (pre-all-reduce) gradients: who went non-finite, and with
         ``gather_ranks`` each rank's layer norms."""
+        if self._mesh is not None:
+            return self._mesh_ranks(local_norms)
         if not self._world_size or len(local_norms) == 0:
             return {}
         collector = self._collector
@@ -253,6 +258,17 @@ class Assembler:
             position = self._layer_position
             fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
         return fields
+
+    def _mesh_ranks(self, rank_flags: np.ndarray) -> dict[str, Any]:
+        """Sharded: the ranks whose own model output, or the gradient reaching it, was
+        non-finite — where a NaN arose, before a collective mixed the ranks' gradients."""
+        assert self._mesh is not None
+        flags = rank_flags.reshape(self._mesh.ranks.world_size, RANK_FLAGS)
+        bad = np.flatnonzero((flags == 0).any(axis=1)).tolist()
+        if not bad:
+            return {}
+        places = tuple(self._mesh.rank_label(rank) for rank in bad)
+        return {"nonfinite_ranks": tuple(bad), "nonfinite_rank_places": places}
 
     def _activations(self, norms: np.ndarray, order: list[int]) -> dict[str, Any]:
         if not self._activation_names or len(norms) == 0:

@@ -16,7 +16,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradtrack.distributed import is_dtensor, local_tensor
+from gradtrack.histogram import split_in_proportion
 from gradtrack.layers import Layer
+from gradtrack.mesh import ShardStep, check_placements
 from gradtrack.stats import (
     HostPart,
     abs_norms,
@@ -92,10 +95,10 @@ class Collector:
         # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
         # device without a sync: what accelerators need. None: on every device but the CPU.
         self.foreach_only: bool | None = None
-        # Sharded (DTensor) gradients: reduce the local shards, then combine the rows across
-        # ranks with ``reduce_shards`` (see `gradtrack.distributed.RankGroup.reduce_shards`).
+        # Sharded (DTensor) gradients: reduce the local shards, then combine them across
+        # ranks with ``reduce_shards`` (`gradtrack.mesh.MeshReduction`).
         self.local_shards = False
-        self.reduce_shards: Callable[[Tensor, np.ndarray, int], Tensor] | None = None
+        self.reduce_shards: Callable[[ShardStep], ShardStep] | None = None
 
     def guard(self, exact: bool = True) -> Guard:
         """Every present gradient's L2 norm, grouped per device and dtype.
@@ -134,6 +137,8 @@ class Collector:
         for i, (param, grad) in enumerate(zip(self.params, grads)):
             if grad is None or not param.requires_grad:
                 continue
+            if self.reduce_shards is not None and is_dtensor(grad):
+                check_placements(grad, self.layer_names[self.tensor_layer[i]])
             usable = self._usable(grad)
             simple = usable is grad
             indices, simples = groups[(usable.device, usable.dtype)]
@@ -147,7 +152,7 @@ class Collector:
     def _usable(self, grad: Tensor) -> Tensor:
         """The dense, real, non-empty tensor whose statistics are the gradient's."""
         if self.local_shards:
-            grad = grad.to_local()  # type: ignore[attr-defined]
+            grad = local_tensor(grad)
         if grad.is_sparse:
             # The dense gradient's statistics: implicit zeros add nothing to the sums.
             grad = grad.coalesce()._values()
@@ -217,13 +222,17 @@ class Collector:
         tensor_index = part.index
         if not foreach_only:  # CPU rows: count NaN/Inf now, where norms came out non-finite
             fill_nonfinite_counts(rows.numpy(), all_grads)
-        if self.reduce_shards is not None:
-            rows = self.reduce_shards(rows, tensor_index, len(self.params))
         sample_counts = (
             np.minimum(self.sample_counts[tensor_index], _numel_of(all_grads))
             if with_samples
             else None
         )
+        if self.reduce_shards is not None:
+            combined = self.reduce_shards(
+                ShardStep(rows, tensor_index, samples, sample_counts, flags)
+            )
+            rows, samples, sample_counts = combined.rows, combined.samples, combined.sample_counts
+            flags = combined.flags
         self.host_transfers += 1
         if device.type == "cpu":  # nothing to copy: the worker reads these tensors
             return HostPart(
@@ -311,17 +320,9 @@ def _numel_of(grads: Sequence[Tensor]) -> np.ndarray:
 
 def _split_sample_budget(layers: Sequence[Layer], sample_size: int) -> np.ndarray:
     """Per tensor, its share of its layer's sample: ``min(sample_size, layer numel)`` in all,
-    split in proportion to size (largest remainders get the leftover elements)."""
-    counts: list[np.ndarray] = []
-    for layer in layers:
-        sizes = np.array([p.numel() for p in layer.params], dtype=np.int64)
-        total = int(sizes.sum())
-        if total <= sample_size:
-            counts.append(sizes)
-            continue
-        exact = sample_size * sizes / total
-        share = np.floor(exact).astype(np.int64)
-        leftover = sample_size - int(share.sum())
-        share[np.argsort(share - exact, kind="stable")[:leftover]] += 1
-        counts.append(share)
+    split in proportion to size."""
+    counts = [
+        split_in_proportion(sample_size, np.array([p.numel() for p in layer.params]))
+        for layer in layers
+    ]
     return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)

@@ -8,16 +8,16 @@ Two layouts, told apart by the parameters:
   hook takes one L2 norm per tensor of it on logged steps (before DDP's reducer sees the
   gradient), and one all-gather brings every rank's norms to rank 0: the ranks where a
   NaN/Inf arose, and per-rank layer norms with ``distributed.gather_ranks``.
-* **sharded** (FSDP2: DTensor parameters sharded on a 1-D mesh): each rank reduces its
-  shards; one all-gather of the [tensors, 5] rows, then sum of squares, L1 and counts are
-  summed and max |g| is maxed across ranks — the full gradient's statistics.
+* **sharded** (DTensor parameters on any device mesh: FSDP2, HSDP, tensor parallel and
+  their 2-D combinations): each rank reduces its local shards and one all-gather combines
+  them into the full gradients' statistics (`gradtrack.mesh.MeshReduction`).
 
 Steps that are not logged see no collective at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -27,8 +27,6 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from gradtrack.config import GradtrackConfig
-from gradtrack.errors import GradtrackError
-from gradtrack.stats import L2, LINF, TENSOR_COLUMNS, DeviceIndex
 
 Layout = Literal["replicated", "sharded"]
 
@@ -47,6 +45,11 @@ def is_dtensor(tensor: Tensor) -> bool:
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
 
 
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's shard of a DTensor; a plain tensor (tensor parallel leaves some) itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class RankGroup:
     """The processes that train one model together, as gradtrack sees them."""
@@ -55,7 +58,6 @@ class RankGroup:
     group: Any  # a ProcessGroup; None means the default group
     rank: int
     world_size: int
-    _index: DeviceIndex = field(default_factory=DeviceIndex, compare=False, repr=False)
 
     def all_gather(self, local: Tensor) -> Tensor:
         """[world_size, *local.shape]: every rank's ``local``, in rank order (one collective)."""
@@ -72,39 +74,13 @@ class RankGroup:
         dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
 
-    def reduce_shards(self, rows: Tensor, tensor_index: np.ndarray, n_tensors: int) -> Tensor:
-        """Full-gradient rows from each rank's shard rows (see `stats.stat_rows`)."""
-        local = rows.new_zeros(n_tensors, TENSOR_COLUMNS)
-        index = self._index(tensor_index, rows.device)
-        local[index] = rows
-        local[:, L2] = local[:, L2].square()
-        gathered = self.all_gather(local)
-        full = gathered.sum(dim=0)
-        full[:, L2] = full[:, L2].sqrt()
-        full[:, LINF] = gathered[:, :, LINF].amax(dim=0)  # NaN anywhere stays NaN
-        return full[index]
-
 
 def rank_group(model: nn.Module, params: list[nn.Parameter]) -> RankGroup | None:
     """How ``model`` is trained across processes; None in a single process."""
     if not _initialized():
         return None
-    sharded = [p for p in params if is_dtensor(p)]
-    if sharded:
-        meshes: list[Any] = []  # each fully_shard call makes its own (equal) mesh object
-        for param in sharded:
-            if not any(param.device_mesh == mesh for mesh in meshes):  # type: ignore[attr-defined]
-                meshes.append(param.device_mesh)  # type: ignore[attr-defined]
-        placements = {str(p.placements) for p in sharded}  # type: ignore[attr-defined]
-        mesh = meshes[0]
-        if len(meshes) > 1 or mesh.ndim != 1 or any("Shard" not in s for s in placements):
-            raise GradtrackError(
-                "gradtrack supports sharded (DTensor) parameters on one 1-D device mesh with "
-                f"Shard placements (FSDP2's fully_shard); this model has {len(meshes)} mesh(es) "
-                f"and placements {sorted(placements)}"
-            )
-        group = mesh.get_group()
-        return RankGroup("sharded", group, dist.get_rank(group), dist.get_world_size(group))
+    if any(is_dtensor(p) for p in params):  # every mesh is within the default group
+        return RankGroup("sharded", None, dist.get_rank(), dist.get_world_size())
     group = getattr(model, "process_group", None)
     world_size = dist.get_world_size(group)
     if world_size == 1:

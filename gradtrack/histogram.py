@@ -74,3 +74,23 @@ def bin_edges(values: np.ndarray, bins: int) -> np.ndarray:
         low, high = middle - least / 2, middle + least / 2
     # Halves first: high - low can overflow when both ends are near the float maximum.
     return low + (np.linspace(0.0, 1.0, bins + 1) * (high / 2 - low / 2)) * 2
+
+
+def split_in_proportion(count: int, sizes: np.ndarray) -> np.ndarray:
+    """``min(count, sizes.sum())`` sample elements split over tensors (or shards) of
+    ``sizes`` elements in proportion to their size, the largest remainders taking the
+    leftover: each element is then equally likely to be drawn, whichever part holds it.
+
+    >>> split_in_proportion(5, np.array([6, 3, 0, 1]))
+    array([3, 2, 0, 0])
+    >>> split_in_proportion(50, np.array([6, 3]))
+    array([6, 3])
+    """
+    total = int(sizes.sum())
+    if total <= count:
+        return sizes.astype(np.int64)
+    exact = count * sizes / total
+    share = np.floor(exact).astype(np.int64)
+    leftover = count - int(share.sum())
+    share[np.argsort(share - exact, kind="stable")[:leftover]] += 1
+    return share

@@ -85,6 +85,9 @@ class StepRecord:
     # the all-reduce) was non-finite; with ``gather_ranks``, [ranks, layers] local norms.
     nonfinite_ranks: tuple[int, ...] | None = None
     rank_grad_norms: np.ndarray | None = None
+    # Sharded gradients (any device mesh): ``nonfinite_ranks`` are the ranks whose model
+    # output or its gradient was non-finite; here each as "3 (dp=1, tp=1)", its mesh place.
+    nonfinite_rank_places: tuple[str, ...] | None = None
     # The per-layer statistics sinks write as metrics (``layer_metrics`` in the config).
     layer_metrics: tuple[str, ...] = tuple(LAYER_KEY_PREFIX)
     # Whether sinks write the per-layer metrics at this step (``layer_every``); the grad/

@@ -25,7 +25,13 @@ from gradtrack.assemble import AssembledStep, Assembler, FirstInWindow, PendingS
 from gradtrack.collect import Collector, Guard
 from gradtrack.config import GradtrackConfig
 from gradtrack.courier import DropCount
-from gradtrack.distributed import LocalNormProbe, RankGroup, is_dtensor, rank_group
+from gradtrack.distributed import (
+    LocalNormProbe,
+    RankGroup,
+    is_dtensor,
+    local_tensor,
+    rank_group,
+)
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.latch import BadStepLatch
@@ -36,6 +42,7 @@ from gradtrack.layers import (
     saturating_layers,
     unwrap_model,
 )
+from gradtrack.mesh import MeshReduction
 from gradtrack.origin import OriginProbe, nonfinite_weight_layers
 from gradtrack.schedule import layer_schedule
 from gradtrack.sinks.base import GradientSink
@@ -93,10 +100,11 @@ class Watcher:
                 "steps='manual'): its gradients are complete only once backward has "
                 "reduce-scattered them"
             )
+        self.mesh: MeshReduction | None = None
         if self.ranks is not None and self.ranks.layout == "sharded":
-            self.collector.reduce_shards = self.ranks.reduce_shards
+            self.mesh = self._mesh_reduction(self.ranks)
         elif self.collector.local_shards:  # each rank on its own: statistics of its shards
-            local = [p.to_local() for p in self.collector.params]  # type: ignore[attr-defined]
+            local = [local_tensor(p) for p in self.collector.params]
             self.collector.tensor_numel = np.array([t.numel() for t in local], dtype=np.int64)
         self.drops = DropCount(report)
         self.mailbox = Mailbox(
@@ -129,6 +137,7 @@ class Watcher:
             self.ranks,
             drops=self.drops,
             spike_size=0 if self._spikes is None else self._spikes.size,
+            mesh=self.mesh,
         )
         self.worker = Worker(
             self.assembler, sinks, self.mailbox, config, on_alert=on_alert, drops=self.drops
@@ -239,18 +248,34 @@ class Watcher:
             id(p): int(i) for p, i in zip(self.collector.params, self.collector.tensor_layer)
         }
         self._order_probe = BackwardOrderProbe(self.collector.params, layer_of)
-        if self.ranks is not None and self.ranks.rank != 0:
-            output_modules = []  # forward evidence is read only where records are made
-        else:
+        # Forward evidence is read only where records are made, but for the output's under
+        # sharding: each rank's travels to rank 0 with its rows, naming where a NaN arose.
+        records_here = self.ranks is None or self.ranks.rank == 0
+        if records_here or self.mesh is not None:
             self._output_probe = OutputProbe(model, self._next_step_is_due)
             self._handles.append(self._output_probe.handle)
+        if records_here:
             self._origin_probe = OriginProbe(unwrap_model(model))
+        else:
+            output_modules = []
         if output_modules:
             self._activation_probe = ActivationProbe(output_modules, self._next_step_is_due)
             self._handles.extend(self._activation_probe.handles)
         if self.ranks is not None and self.ranks.layout == "replicated":
             self._local_probe = LocalNormProbe(self.collector.params, self._next_step_is_due)
             self._handles.extend(self._local_probe.handles)
+
+    def _mesh_reduction(self, ranks: RankGroup) -> MeshReduction:
+        """Sharded gradients on any mesh: each rank's local rows, combined across ranks
+        (one collective now to find each piece's owner, one per logged step after)."""
+        collector = self.collector
+        names = [collector.layer_names[i] for i in collector.tensor_layer]
+        mesh = MeshReduction.build(
+            ranks, list(zip(names, collector.params)), collector.sample_counts
+        )
+        collector.sample_counts = mesh.local_sample_counts
+        collector.reduce_shards = mesh
+        return mesh
 
     def _detach(self) -> None:
         """Remove every hook and wrapper gradtrack added."""

@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from gradtrack.histogram import bin_samples
 from gradtrack.record import scalar_metrics
 from tests import distributed_workers as workers
 from tests.conftest import assert_record_matches, reference_stats
@@ -33,11 +34,11 @@ def _launch(case: workers.Case, tmp_path: Path) -> list[dict[str, Any]]:
     mp.start_processes(
         workers.run,
         args=(case, free_port(), tmp_path),
-        nprocs=workers.RANKS,
+        nprocs=case.world,
         start_method="spawn",
     )
     results = []
-    for rank in range(workers.RANKS):
+    for rank in range(case.world):
         with (tmp_path / f"rank{rank}.pkl").open("rb") as f:
             results.append(pickle.load(f))
     return results
@@ -164,19 +165,126 @@ def test_fsdp2_nan_counts_are_summed_over_shards(tmp_path: Path) -> None:
     assert [e.rule for e in rank0["events"]] == ["nonfinite"]
 
 
-def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
+def _torchrun(tmp_path: Path, nprocs: int, example: str, *args: str) -> str:
+    """Run ``examples/<example>`` under torchrun on ``nprocs`` CPU processes; its stdout."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(ROOT / "examples" / "ddp.py"), "--steps", "30", "--backend", "console"],
+        [str(torchrun), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()),
+         str(ROOT / "examples" / example), *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "grad/total_norm" in result.stdout or "total" in result.stdout, result.stdout[-2000:]
-    assert "rank 1" not in result.stdout  # one table, from rank 0
+    return result.stdout
+
+
+def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
+    stdout = _torchrun(tmp_path, 2, "ddp.py", "--steps", "30", "--backend", "console")
+    assert "grad/total_norm" in stdout or "total" in stdout, stdout[-2000:]
+    assert "rank 1" not in stdout  # one table, from rank 0
 
 
 def test_fsdp2_without_a_step_boundary_is_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(mp.ProcessRaisedException, match="needs optimizer="):
         _launch(workers.Case("fsdp2", with_optimizer=False), tmp_path)
+
+
+# -- any device mesh: 4 ranks -----------------------------------------------------------------
+MESH_LOGGED = [s for s in range(workers.STEPS) if s % workers.LOG_EVERY == 0]
+
+
+def _assert_full_gradient_statistics(rank0: dict[str, Any], others: list[dict[str, Any]]) -> None:
+    """Rank 0's records equal the full gradients' (fp64 via ``full_tensor()``) at every
+    logged step, metric by metric; the other ranks write nothing; one collective per logged
+    step and none on the others, on every rank."""
+    records = rank0["records"]
+    assert [r.step for r in records] == MESH_LOGGED
+    for record, expected in zip(records, rank0["expected"]):
+        assert_record_matches(record, expected, rtol=1e-6)
+        metrics = scalar_metrics(record)
+        for layer, stats in expected.items():
+            np.testing.assert_allclose(metrics[f"grad_norm/{layer}"], stats["norm"], rtol=1e-6)
+            np.testing.assert_allclose(metrics[f"grad_max/{layer}"], stats["max_abs"], rtol=1e-6)
+            np.testing.assert_allclose(
+                metrics[f"grad_mean_abs/{layer}"], stats["mean_abs"], rtol=1e-6
+            )
+        total = np.sqrt(sum(stats["norm"] ** 2 for stats in expected.values()))
+        np.testing.assert_allclose(metrics["grad/total_norm"], total, rtol=1e-6)
+    assert rank0["n_sinks"] == 1
+    assert [result["n_sinks"] for result in others] == [0] * len(others)
+    logged = [int(s % workers.LOG_EVERY == 0) for s in range(workers.STEPS)]
+    for result in (rank0, *others):
+        assert result["collectives_per_step"] == logged
+
+
+def test_fsdp2_over_tensor_parallel_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
+    # (dp=2, tp=2): up Colwise, down Rowwise, the whole model fully_shard-ed over dp, so the
+    # placements are (_StridedShard, Shard), (Shard, Shard), (Shard, Replicate), and the
+    # norm's (Shard,) on each tp rank's own dp sub-mesh: every piece counted once.
+    histograms = {"hist_every": workers.LOG_EVERY, "hist_sample_size": 10_000}
+    rank0, *others = _launch(workers.Case("fsdp_tp", options=histograms), tmp_path)
+
+    _assert_full_gradient_statistics(rank0, others)
+    # A sample as large as the layer is the whole gradient, each element once, from the
+    # ranks that own it: the histogram of the full gradient.
+    for record, full in zip(rank0["records"], rank0["full_grads"]):
+        for layer, values in full.items():
+            expected = bin_samples(values.numpy(), record.histograms[layer].counts.size)
+            assert expected is not None
+            np.testing.assert_array_equal(record.histograms[layer].counts, expected.counts)
+            np.testing.assert_allclose(record.histograms[layer].edges, expected.edges)
+
+
+def test_hsdp_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
+    # (replicate=2, shard=2): each piece is held twice; the replicas must not count double.
+    histograms = {"hist_every": workers.LOG_EVERY, "hist_sample_size": 9}
+    rank0, *others = _launch(workers.Case("hsdp", options=histograms), tmp_path)
+
+    _assert_full_gradient_statistics(rank0, others)
+    for record in rank0["records"]:  # 9 of each layer's elements, drawn over its shards
+        assert {h.sample_size for h in record.histograms.values()} == {9}
+        assert set(record.histograms) == set(workers.MESH_LAYERS)
+
+
+def test_partial_gradients_are_refused_clearly_and_training_goes_on(tmp_path: Path) -> None:
+    # SequenceParallel: the norm's weights are Replicate, their gradients Partial(sum).
+    rank0, *_ = _launch(workers.Case("sp"), tmp_path)
+
+    assert rank0["records"] == []
+    (warning,) = [w for w in rank0["warnings"] if "gradtrack" in w]
+    assert "layer 'norm'" in warning and "Partial(sum)" in warning
+    assert "supported: Shard, _StridedShard" in warning
+    assert len(rank0["collectives_per_step"]) == workers.STEPS  # every step trained
+
+
+def test_tensor_parallel_alone_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
+    # tp=4: down's bias Replicate, the norm a plain parameter (rank 0's copy counts).
+    rank0, *others = _launch(workers.Case("tp"), tmp_path)
+
+    _assert_full_gradient_statistics(rank0, others)
+    # No gradient travels: at watch, a key and a size per tensor and the rank's coordinate;
+    # per logged step 5 numbers per tensor and 2 flags (6 tensors, 215 elements), and on the
+    # histogram step (0) each rank's share of the samples, padded to the largest: rank 0's
+    # 53 owned elements (the plain norm's 12, down's replicated bias 5, its quarter of up's
+    # 84 and of down's weight 60), all drawn as the default sample exceeds the layers.
+    tensors, per_step = 6, 5 * 6 + 2
+    assert rank0["elements_sent"] == [2 * tensors + 1, per_step + 53, per_step, per_step]
+
+
+def test_a_nan_on_one_rank_of_a_mesh_is_attributed_to_it(tmp_path: Path) -> None:
+    rank0, *_ = _launch(workers.Case("hsdp", nan_on_rank=3), tmp_path)
+
+    last = rank0["records"][-1]
+    assert last.step == workers.STEPS - 1
+    assert last.nan_count > 0  # the reduce-scatter spread rank 3's NaN to every shard
+    assert last.nonfinite_ranks == (3,)
+    assert last.nonfinite_rank_places == ("3 (replicate=1, shard=1)",)
+    (event,) = [e for e in rank0["events"] if e.rule == "nonfinite"]
+    assert event.ranks == (3,)
+    assert "rank(s) 3 (replicate=1, shard=1)" in event.message
+
+
+def test_fsdp2_over_tensor_parallel_example_runs_under_torchrun(tmp_path: Path) -> None:
+    stdout = _torchrun(tmp_path, 4, "tp_fsdp.py", "--steps", "3", "--log-every", "2")
+    assert stdout.count("gradtrack step") == 2, stdout[-2000:]  # steps 0 and 2, rank 0 only
+    assert "(dp=2, tp=2) mesh" in stdout

@@ -28,12 +28,13 @@ from gradtrack.histogram_store import HistogramEntry, read_chunks, write_chunk
 from gradtrack.record import StepRecord, metric_key, safe_key, scalar_metrics
 from gradtrack.redact import redact
 from gradtrack.sinks.base import require_module
+from gradtrack.sinks.mlflow_auth import refusal_message
 from gradtrack.sinks.mlflow_tracking import (
     MAX_ITEMS_PER_BATCH,
     MAX_METRICS_PER_BATCH,
     MAX_TAGS_PER_BATCH,
-    AuthError,
     PermanentError,
+    Refusal,
     Tracking,
     connect,
 )
@@ -136,6 +137,9 @@ class MlflowSink:
         self._last_sent = -math.inf  # the first write goes out at once: the run appears
         self._alert_waiting = False
         self._outage_reported = False
+        # The last request was refused (401/403, untrusted TLS): waiting fixes nothing.
+        self._refused = False
+        self._experiment_id: str | None = None
         # The report package draws; imported here, not at the top: it sits above the sinks.
         from gradtrack.report.live import Pictures
 
@@ -237,7 +241,8 @@ class MlflowSink:
     def close(self) -> None:
         self._write_histogram_chunk()
         # Retry within the watcher's own close timeout, with room left to end the run.
-        deadline = time.monotonic() + 0.8 * self.config.flush_timeout_s
+        # A refusal is not fixed by waiting: the spool keeps the steps.
+        deadline = time.monotonic() + (0.0 if self._refused else 0.8 * self.config.flush_timeout_s)
         self._pump(until=deadline)
         # Pictures only once the data is out: they must never delay or displace it.
         if not self._pending and self._pictures.due_at_close():
@@ -432,30 +437,39 @@ class MlflowSink:
         return self._tracking
 
     def _start_run(self, tracking: Tracking) -> None:
-        experiment_id = tracking.experiment_id(self.options.experiment)
-        self.run_id, self._artifact_uri = tracking.create_run(experiment_id, self.options.run_name)
+        self._experiment_id = tracking.experiment_id(self.options.experiment)
+        self.run_id, self._artifact_uri = tracking.create_run(
+            self._experiment_id, self.options.run_name
+        )
         self.owns_run = True
 
     def _fail(self, error: Exception) -> None:
         self.failures += 1
         self._backoff_s = min(self.options.retry_max_s, max(0.5, self._backoff_s * 2))
         self._retry_at = time.monotonic() + self._backoff_s
+        self._refused = isinstance(error, Refusal)
         if not self._outage_reported:
             self._outage_reported = True
-            kept = "steps wait (in the run's spool) and are retried with backoff"
-            if isinstance(error, AuthError):
-                _warn(
-                    f"MLflow at {self.tracking_uri} refused gradtrack's credentials ({error}): "
-                    "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
-                    f"MLFLOW_TRACKING_TOKEN) for the process that trains; {kept}"
-                )
+            if isinstance(error, Refusal):
+                _warn(refusal_message(error, self.tracking_uri, self._experiment()))
             else:
-                _warn(f"gradtrack cannot reach MLflow at {self.tracking_uri} ({error!r}); {kept}")
+                _warn(
+                    f"gradtrack cannot reach MLflow at {self.tracking_uri} ({error!r}); steps "
+                    "wait (in the run's spool) and are retried with backoff"
+                )
+
+    def _experiment(self) -> str:
+        """The experiment the run is in, in words, for a refusal's message."""
+        if self.run_id is not None and self._experiment_id is None:
+            return f"the experiment of run {self.run_id}"  # a run gradtrack did not start
+        known = f" (id {self._experiment_id})" if self._experiment_id else ""
+        return f"experiment {self.options.experiment!r}{known}"
 
     def _recovered(self) -> None:
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._outage_reported = False
+        self._refused = False
 
 
 def read_histograms(

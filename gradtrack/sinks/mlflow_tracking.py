@@ -24,8 +24,23 @@ class PermanentError(Exception):
 
 
 class AuthError(Exception):
-    """The server refused gradtrack's credentials (HTTP 401/403): nothing was stored, and
-    everything can go once the credentials are right, so it is kept and retried."""
+    """The server refused the request: no valid login (HTTP 401), or the user lacks the
+    ``permission`` it needs (HTTP 403). Nothing was stored, and everything can go once that
+    is fixed, so it is kept and retried."""
+
+    def __init__(self, status: int, endpoint: str, permission: str) -> None:
+        super().__init__(f"HTTP {status} on {endpoint}")
+        self.status = status
+        self.endpoint = endpoint
+        self.permission = permission  # what MLflow's basic-auth app checks: READ or EDIT
+
+
+class UntrustedTlsError(Exception):
+    """This process does not trust the server's TLS certificate (self-signed, a private CA):
+    nothing was sent, and everything can go once it does, so it is kept and retried."""
+
+
+Refusal = AuthError | UntrustedTlsError
 
 
 class Tracking(Protocol):
@@ -125,15 +140,22 @@ class RestTracking:
         from mlflow.exceptions import MlflowException
         from mlflow.utils.rest_utils import http_request, verify_rest_response
 
-        response = http_request(
-            self.creds, endpoint, method, max_retries=0, backoff_factor=0,
-            timeout=self.timeout_s, **kwargs,
-        )  # fmt: skip
+        try:
+            response = http_request(
+                self.creds, endpoint, method, max_retries=0, backoff_factor=0,
+                timeout=self.timeout_s, **kwargs,
+            )  # fmt: skip
+        except MlflowException as exc:
+            if _failed_tls(exc):
+                raise UntrustedTlsError(str(exc.__context__)) from exc
+            raise
         try:
             verify_rest_response(response, endpoint)
         except MlflowException as exc:
             if response.status_code in (401, 403):
-                raise AuthError(f"HTTP {response.status_code}") from exc
+                # Reading needs READ on the experiment; creating runs and logging, EDIT.
+                permission = "READ" if method == "GET" else "EDIT"
+                raise AuthError(response.status_code, endpoint, permission) from exc
             if 400 <= response.status_code < 500 and response.status_code != 429:
                 raise PermanentError(str(exc)) from exc
             raise
@@ -198,6 +220,13 @@ class RestTracking:
 
     def close(self) -> None:
         return None  # one request per call: nothing stays open
+
+
+def _failed_tls(error: Exception) -> bool:
+    """MLflow's client wraps the failure it met in its own exception, chained implicitly."""
+    import requests
+
+    return isinstance(error.__context__, requests.exceptions.SSLError)
 
 
 def _now_ms() -> int:

@@ -3,14 +3,10 @@ failed or was interrupted, its files closed, and no password in anything gradtra
 
 from __future__ import annotations
 
-import http.server
 import os
 import subprocess
 import sys
 import textwrap
-import threading
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +17,6 @@ import gradtrack
 from gradtrack.sinks import MlflowSink
 from gradtrack.sinks.mlflow import read_alerts, read_histograms
 from tests.conftest import NoUpdate, SmallCNN
-from tests.sinks.mlflow_server import free_port
 from tests.sinks.test_mlflow import train
 
 mlflow = pytest.importorskip("mlflow")
@@ -125,62 +120,6 @@ def test_close_leaves_no_file_of_the_embedded_store_open(tmp_path: Path) -> None
         for _ in range(3):
             model(torch.randn(2, 3)).sum().backward()
     assert open_files_under(tmp_path) == []
-
-
-class _Refuses(http.server.BaseHTTPRequestHandler):
-    """Answers every request 401, as a tracking server with authentication does to a client
-    without credentials."""
-
-    def _refuse(self) -> None:
-        self.send_response(401)
-        self.send_header("Content-Type", "application/json")
-        body = b'{"error_code": "UNAUTHENTICATED", "message": "You are not authenticated."}'
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST = do_PUT = _refuse
-
-    def log_message(self, *_: object) -> None:
-        return None
-
-
-@pytest.fixture
-def refusing_server() -> Iterator[int]:
-    port = free_port()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Refuses)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield port
-    server.shutdown()
-    server.server_close()
-
-
-def test_refused_credentials_stand_in_server_keep_the_steps_and_say_what_to_set(
-    refusing_server: int,
-) -> None:
-    """A loopback HTTP server answering 401 stands in for MLflow's authentication app (not
-    installed here): the steps stay buffered and retried, and the password never shows."""
-    uri = f"http://alice:hunter2@127.0.0.1:{refusing_server}"
-    model = nn.Linear(3, 1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        watcher = gradtrack.watch(
-            model, backend="mlflow", log_every=1, flush_timeout_s=2,
-            mlflow={"tracking_uri": uri, "send_every_s": 0},
-        )  # fmt: skip
-        for _ in range(5):
-            model(torch.randn(2, 3)).sum().backward()
-        watcher.flush()
-        sink = watcher.sinks[0]
-        assert sink.dropped == 0 and len(sink._pending) == 5  # kept, not dropped
-        watcher.close()
-    messages = [str(w.message) for w in caught]
-    assert any("refused gradtrack's credentials" in m and "MLFLOW_TRACKING_USERNAME" in m
-               for m in messages), messages  # fmt: skip
-    assert not any("dropped" in m for m in messages)
-    assert all("hunter2" not in m for m in messages)
-    assert any("http://***@127.0.0.1" in m for m in messages)
 
 
 def test_nan_at_an_unlogged_step_reaches_mlflow_as_that_step(tmp_path: Path) -> None:

@@ -116,22 +116,28 @@ def test_past_its_disk_bound_the_spool_drops_counts_and_warns(
     assert any(f"gradtrack sync {kept}" in str(w.message) for w in caught)
 
 
-def run_child(uri: str, steps: int, end: str, spool_root: Path, *extra: str) -> str:
-    """Run `tests.sinks.spool_child`; its stdout and stderr."""
-    env = {"GRADTRACK_SPOOL_DIR": str(spool_root), "PYTHONPATH": str(REPO), "PATH": ""}
+Env = dict[str, str] | None
+
+
+def run_child(
+    uri: str, steps: int, end: str, spool_root: Path, *extra: str, env: Env = None
+) -> str:
+    """Run `tests.sinks.spool_child` (``env`` adds to its bare environment); its stdout and
+    stderr."""
+    child_env = {"GRADTRACK_SPOOL_DIR": str(spool_root), "PYTHONPATH": str(REPO), "PATH": ""}
     result = subprocess.run(
         [sys.executable, "-m", "tests.sinks.spool_child", uri, str(steps), end, *extra],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**child_env, **(env or {})}, cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert "trained" in result.stdout, result.stderr[-3000:]
     return result.stdout + result.stderr
 
 
-def sync_cli(spool_root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def sync_cli(spool_root: Path, *args: str, env: Env = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gradtrack.cli", "sync", str(spool_root), *args],
-        env={"PYTHONPATH": str(REPO), "PATH": ""}, cwd=REPO, capture_output=True, text=True,
-        timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "", **(env or {})}, cwd=REPO, capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
 
 
