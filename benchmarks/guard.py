@@ -12,7 +12,14 @@ the machine's noise falls on every variant alike, the median time of:
 - exact guard: the guard of a logged step — exact L2 per gradient (fp32 chunks added in
   fp64 on the CPU, over/underflow redone in fp64);
 - logged step: the guard plus a logged step's collection (NaN/Inf counts, the host hand-off),
-  without max/mean |g|; and a per-layer step (with them).
+  without max/mean |g|; and a per-layer step (with them);
+- guard+spike: the guard with the every-step spike statistics (`gradtrack.spike`: layer norms
+  from the guard's, the window's z-scores), as default watching runs it at every step;
+- guard+skip: that, read on the host and judged by the skip rules (`gradtrack.skip`), as
+  every step runs with ``action="skip"``;
+- update signals: what ``update_signals`` adds to a logged step (`gradtrack.updates`: copy
+  the weights into the reused buffer and take their norms, then the update's norms). Its
+  memory is one copy of the trainable parameters, printed in MiB.
 
 Ratios are to the floor. The training step itself is given for scale.
 """
@@ -29,6 +36,9 @@ import torch
 import gradtrack
 from benchmarks.models import MODELS
 from gradtrack.sinks import MemorySink
+from gradtrack.skip import SkipPolicy
+from gradtrack.spike import LayerNorms, NormWindow, on_host, spike_fields
+from gradtrack.updates import UpdateProbe
 
 
 def measure(name: str, reps: int) -> dict[str, float]:
@@ -57,9 +67,34 @@ def measure(name: str, reps: int) -> dict[str, float]:
     def per_layer() -> None:
         collector.collect(collector.guard(), with_samples=False, full=True)
 
+    names = collector.layer_names
+    layer_norms = LayerNorms(collector.tensor_layer, len(names))
+    spikes = NormWindow(len(names), 128, 32, [6.0] * (1 + len(names)), [3.0] * (1 + len(names)),
+                        [True] * (1 + len(names)))  # fmt: skip
+    policy = SkipPolicy(watcher.alert_engine, names, max_consecutive=5)
+
+    def guard_spike() -> None:
+        checked = collector.guard(exact=False)
+        checked.finite()
+        spikes.update(layer_norms(checked), host=on_host(checked))
+
+    def guard_skip() -> None:
+        checked = collector.guard(exact=False)
+        norms = layer_norms(checked)
+        host = torch.cat([norms, spikes.update(norms, host=on_host(checked))]).numpy()
+        spike_fields(host[len(norms) :])
+        policy.decide(bool(checked.finite()), host[: len(norms)], host[len(norms) :])
+
+    probe = UpdateProbe(collector.params)
+
+    def update_signals() -> None:
+        probe.before()
+        probe.after()
+
     variants: dict[str, Callable[[], None]] = {
         "floor": floor, "guard": guard, "exact_guard": exact_guard, "logged": logged,
-        "per_layer": per_layer,
+        "per_layer": per_layer, "guard_spike": guard_spike, "guard_skip": guard_skip,
+        "update_signals": update_signals,
     }  # fmt: skip
     times: dict[str, list[float]] = {key: [] for key in variants}
     with torch.no_grad():
@@ -71,6 +106,7 @@ def measure(name: str, reps: int) -> dict[str, float]:
     watcher.close()
     result = {key: statistics.median(values) * 1e3 for key, values in times.items()}
     result["backward"] = step_s * 1e3
+    result["snapshot_mib"] = sum(p.numel() * p.element_size() for p in collector.params) / 2**20
     return result
 
 
@@ -82,12 +118,25 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms (÷ floor)")
-    print("model | one backward | floor | guard | exact guard | logged step | per-layer step")
-    variants = ("guard", "exact_guard", "logged", "per_layer")
+    print(
+        "model | one backward | floor | guard | exact guard | logged step | per-layer step | "
+        "guard+spike | guard+skip | update signals | their buffer (MiB)"
+    )
+    variants = (
+        "guard", "exact_guard", "logged", "per_layer", "guard_spike", "guard_skip",
+        "update_signals",
+    )  # fmt: skip
     for name in args.models:
         r = measure(name, args.reps)
         cells = [f"{r[k]:.3f} ({r[k] / r['floor']:.2f}x)" for k in variants]
-        print(" | ".join([name, f"{r['backward']:.1f}", f"{r['floor']:.3f}", *cells]), flush=True)
+        row = [
+            name,
+            f"{r['backward']:.1f}",
+            f"{r['floor']:.3f}",
+            *cells,
+            f"{r['snapshot_mib']:.1f}",
+        ]
+        print(" | ".join(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,10 @@ VARIANTS: dict[str, Setup] = {
     # gradtrack's every-step guard alone: no step is ever logged, so what remains is the
     # one exact L2 pass (and finite check) it makes at every step.
     "guard": gradtrack_variant(log_every=10**9, hist_every=None),
+    # The same without the every-step spike statistics (on by default: `gradtrack.spike`).
+    "guard,no spike": gradtrack_variant(
+        log_every=10**9, hist_every=None, alerts={"spike": {"enabled": False}}
+    ),
     "recipe": recipe,
     "wandb.watch": wandb_watch,
     "summaries": gradtrack_variant(log_every=1, hist_every=None),
@@ -129,6 +133,16 @@ VARIANTS: dict[str, Setup] = {
     # every step (free on the CPU; one synchronisation per step on an accelerator).
     "defaults+raise": gradtrack_variant(alerts={"nonfinite": {"action": "raise"}}),
     "defaults+mlflow,norms": gradtrack_variant(backend="mlflow", layer_metrics=("norm",)),
+    "defaults": gradtrack_variant(),
+    "defaults,no spike": gradtrack_variant(alerts={"spike": {"enabled": False}}),
+    # Skip rules: each step's layer norms and spike flags read on the host and judged before
+    # optimizer.step (free on the CPU; one read per step on an accelerator).
+    "defaults+skip": gradtrack_variant(
+        alerts={name: {"action": "skip"} for name in ("nonfinite", "spike", "exploding")},
+        skip={"journal": os.path.join(tempfile.mkdtemp(), "skipped_steps.json")},
+    ),
+    # ‖W‖ and ‖ΔW‖ on logged steps: a copy of the weights before each logged optimizer step.
+    "defaults+update signals": gradtrack_variant(update_signals=True),
     "activations": gradtrack_variant(log_every=1, hist_every=None, activations=True),
 }
 

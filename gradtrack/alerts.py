@@ -90,8 +90,7 @@ class AlertEngine:
         self._params: dict[tuple[str, str], np.ndarray] = {}
         self._vanishing_runs = np.zeros(len(depth_order), dtype=np.int64)
         self._dead_runs = np.zeros(len(depth_order), dtype=np.int64)
-        self._seen = np.zeros(len(depth_order), dtype=np.int64)
-        self._ema = np.full(len(depth_order), np.nan)
+        self._update_runs = np.zeros(len(depth_order), dtype=np.int64)
         self._backward_position: dict[str, int] = {}
         self._cache: dict[tuple[str, str | None], Any] = {}
         self._last_fired: dict[tuple[str, str | None], int] = {}
@@ -116,11 +115,13 @@ class AlertEngine:
             events += self._nonfinite(record)
         events += self._layer_rules(record)
         events += self._exploding(record, None, record.total_norm)
+        events += self._spike(record) + self._update_ratio(record)
         jumps = self._jump(record)
         events += jumps + self._flow(record, broken={self._kind(e.layer) for e in jumps})
         if math.isfinite(record.total_norm):
             self._total_norms.append(record.total_norm)
-        return self._merge_layers(events)
+        events = self._merge_layers(events)
+        return self._skipped(record, events) if record.skipped_by else events
 
     def _kind(self, layer: str | None) -> str | None:
         return None if layer is None else self._kinds[self._depth[layer]]
@@ -131,7 +132,9 @@ class AlertEngine:
     ) -> list[AlertEvent]:
         rule = self.rule(rule_name, layer)
         last = self._last_fired.get((rule_name, layer))
+        # A step left out of training is told every time (each skip is an event).
         silenced = last is not None and record.step - last <= rule.cooldown_steps
+        silenced &= record.skipped_by != rule_name
         if silenced and rule.action != "raise":
             return []
         if not silenced:
@@ -347,7 +350,7 @@ class AlertEngine:
         live = finite & (norms > 0)
         for j in np.flatnonzero(active & (runs >= self._param("dead", "patience", idx))):
             events += self._dead(record, int(j), int(runs[j]), live)
-        return events + self._spike(record, idx, norms, finite)
+        return events
 
     def _dead(self, record: StepRecord, j: int, run: int, live: np.ndarray) -> list[AlertEvent]:
         layer = record.layers[j]
@@ -420,32 +423,95 @@ class AlertEngine:
             ),
         )  # fmt: skip
 
-    def _spike(
-        self, record: StepRecord, idx: np.ndarray, norms: np.ndarray, finite: np.ndarray
-    ) -> list[AlertEvent]:
-        active = self._enabled("spike", idx) & finite
-        seen = self._seen[idx] + active
-        self._seen[idx] = seen
-        average = self._ema[idx]
-        ratio = self._param("spike", "ratio", idx)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            trips = active & (seen > self._param("spike", "warmup", idx)) & (average > 0)
-            trips &= norms / average > ratio
+    def _spike(self, record: StepRecord) -> list[AlertEvent]:
+        """The columns `gradtrack.spike.NormWindow` flagged at this step, on the device (every
+        step; a step between logged ones reaches here when it spiked)."""
+        if record.spiking is None or record.spike_z is None or record.spike_typical is None:
+            return []
         events: list[AlertEvent] = []
-        for j in np.flatnonzero(trips):
-            layer, norm, mean = record.layers[j], float(norms[j]), float(average[j])
+        window = self.rules.spike.window
+        for column in np.flatnonzero(record.spiking):
+            layer = None if column == 0 else self._names[column - 1]
+            z, typical = float(record.spike_z[column]), float(record.spike_typical[column])
+            name = layer or "the total gradient"
+            norm = record.total_norm if layer is None else _layer_norm(record, layer)
+            rule = self.rule("spike", layer)
             events += self._emit(
-                record, "spike", layer, statistic="norm", value=norm, threshold=ratio[j] * mean,
+                record, "spike", layer, statistic="norm" if layer else "total_norm",
+                value=norm, threshold=typical * rule.ratio,
                 message=(
-                    f"gradient norm of {layer} jumped to {norm:.3g}, {norm / mean:.1f}× its "
-                    f"running average {mean:.3g}. Likely a bad batch or a learning-rate spike; "
-                    "consider gradient clipping or a longer warmup."
+                    f"gradient norm of {name} spiked to {norm:.3g} at step {record.step}: "
+                    f"{norm / typical:.1f}x its typical {typical:.3g} over the last {window} "
+                    f"steps, {z:.1f} standard deviations above (log scale). Gradient-norm "
+                    "spikes come before loss spikes: a bad batch (look at this step's data), "
+                    "a learning rate too high for this phase (a longer warmup), or Adam's "
+                    "epsilon too small. Try: clipping, or alerts={'spike': {'action': 'skip'}} "
+                    "to leave such steps out."
                 ),
             )  # fmt: skip
-        decay = self._param("spike", "ema_decay", idx)
-        blended = np.where(np.isnan(average), norms, decay * average + (1 - decay) * norms)
-        self._ema[idx[active]] = blended[active]
         return events
+
+    def _update_ratio(self, record: StepRecord) -> list[AlertEvent]:
+        """Layers that learn far too fast or barely at all, for ``patience`` logged steps."""
+        ratios = record.update_ratios()
+        if ratios is None:
+            return []
+        idx = np.fromiter((self._depth[n] for n in record.layers), np.int64, len(record.layers))
+        active = self._enabled("update_ratio", idx) & np.isfinite(ratios)
+        high, low = (
+            self._param("update_ratio", "high", idx),
+            self._param("update_ratio", "low", idx),
+        )
+        fast, slow = ratios > high, (ratios > 0) & (ratios < low)
+        runs = self._advance(self._update_runs, idx, active, fast | slow)
+        events: list[AlertEvent] = []
+        for j in np.flatnonzero(active & (runs >= self._param("update_ratio", "patience", idx))):
+            layer, ratio = record.layers[j], float(ratios[j])
+            if fast[j]:
+                threshold, finding = (
+                    float(high[j]),
+                    (
+                        f"each step moves {layer}'s weights by {ratio:.3g} of their norm, above "
+                        f"{high[j]:.3g}, for {runs[j]} logged steps: it learns too fast (healthy "
+                        "layers sit near 1e-3). Try: a lower learning rate for it (a parameter "
+                        "group), a longer warmup, or clipping."
+                    ),
+                )
+            else:
+                threshold, finding = (
+                    float(low[j]),
+                    (
+                        f"each step moves {layer}'s weights by only {ratio:.3g} of their norm, "
+                        f"below {low[j]:.3g}, for {runs[j]} logged steps: it barely learns "
+                        "(healthy layers sit near 1e-3). Try: a higher learning rate for it, a "
+                        "smaller weight decay, Adam's eps below the gradient's scale, or check it "
+                        "is not meant to be frozen."
+                    ),
+                )
+            events += self._emit(
+                record, "update_ratio", layer, statistic="update_ratio", value=ratio,
+                threshold=threshold, message=finding,
+            )  # fmt: skip
+        return events
+
+    def _skipped(self, record: StepRecord, events: list[AlertEvent]) -> list[AlertEvent]:
+        """The event of a skipped step says so; a skip no rule event explains still is one."""
+        note = (
+            f" The optimizer step was skipped (action='skip'): weights and optimizer state "
+            f"are unchanged; {record.skipped_steps} step(s) skipped so far."
+        )
+        rule = record.skipped_by
+        for i, event in enumerate(events):
+            if event.rule == rule:
+                events[i] = event.model_copy(update={"message": event.message + note})
+                return events
+        severity = self.rule(rule or "nonfinite", None).severity
+        fallback = AlertEvent(
+            step=record.step, wall_time=record.wall_time, rule=rule or "skip", layer=None,
+            statistic="total_norm", value=record.total_norm, threshold=None, severity=severity,
+            rank=self.rank, message=f"step {record.step} tripped {rule} at its guard.{note}",
+        )  # fmt: skip
+        return [*events, fallback]
 
     def _comparable(self, record: StepRecord) -> dict[str, np.ndarray]:
         """Rows (depth order) with a finite, non-zero gradient RMS, per kind of layer; layers
@@ -592,6 +658,11 @@ class AlertEngine:
             threshold=float(rule.max_skips), severity="info",
             message=f"overflow: step skipped, {change}",
         )  # fmt: skip
+
+
+def _layer_norm(record: StepRecord, layer: str) -> float:
+    present = layer in record.layers
+    return float(record.column("norm")[record.layers.index(layer)]) if present else math.nan
 
 
 _SHOWN_LAYERS = 8

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.collect import Collector
@@ -24,7 +26,9 @@ from gradtrack.latch import latched_step
 from gradtrack.mesh import RANK_FLAGS, MeshReduction
 from gradtrack.record import StepRecord, summarise_layers
 from gradtrack.redact import redact
+from gradtrack.spike import spike_fields
 from gradtrack.stats import L1, L2, LINF, TENSOR_COLUMNS, HostPart
+from gradtrack.updates import layer_update_norms
 
 logger = logging.getLogger("gradtrack")
 T = TypeVar("T")
@@ -44,6 +48,11 @@ class PendingStep:
     per_layer: bool = True
     # A non-finite step: `StepRecord` fields from `gradtrack.origin` (where it was made).
     origin: dict[str, Any] | None = None
+    # With ``update_signals``: `UpdateProbe.after`'s rows on the host, and their copy's event.
+    update: tuple[Tensor, torch.cuda.Event | None] | None = None
+    # The rule whose action "skip" left this step's optimizer step out; skips so far.
+    skipped_by: str | None = None
+    skipped_steps: int = 0
 
 
 @dataclass
@@ -88,11 +97,13 @@ class Assembler:
         ranks: RankGroup | None = None,
         latch_size: int = 0,
         drops: DropCount | None = None,
+        spike_size: int = 0,
         mesh: MeshReduction | None = None,
     ) -> None:
         self.alert_engine = alert_engine
         self.drops = drops
         self.latch_size = latch_size  # trailing step flags: a `BadStepLatch` read
+        self.spike_size = spike_size  # the step flags before it: a `NormWindow` vector
         self.part_errors: dict[str, int] = {}
         self._collector = collector
         self._hist_bins = config.hist_bins
@@ -131,12 +142,13 @@ class Assembler:
         step, as a record of its layer norms (its elements were not counted)."""
         if not self.latch_size:
             return None
-        latched = latched_step(pending.parts[0].flags()[-self.latch_size :])
+        collector = self._collector
+        flags = pending.parts[0].flags()[-self.latch_size :]
+        latched = latched_step(flags, len(collector.params))
         if latched is None or latched[0] == pending.step:
             return None  # (a logged step that was bad itself is summarised in full)
-        step, norms = latched
+        step, norms, spike = latched
         present = np.flatnonzero(norms != -1.0)
-        collector = self._collector
         rows = np.zeros((len(present), TENSOR_COLUMNS))
         rows[:, L2] = norms[present]
         rows[:, L1] = rows[:, LINF] = np.nan
@@ -150,6 +162,7 @@ class Assembler:
             step=step, wall_time=pending.wall_time, layers=layers, stats=stats,
             total_norm=total_norm, model_name=self._model_name,
             layer_metrics=self._layer_metrics, abs_stats=False, counted=False,
+            **(spike_fields(spike) if len(spike) else {}),
         )  # fmt: skip
 
     def _first_bad_in_full(self, record: StepRecord) -> StepRecord:
@@ -163,6 +176,8 @@ class Assembler:
     def build_record(self, pending: PendingStep) -> StepRecord:
         flags = pending.parts[0].flags()
         flags = flags[: len(flags) - self.latch_size]
+        spike = flags[len(flags) - self.spike_size :] if self.spike_size else flags[:0]
+        flags = flags[: len(flags) - self.spike_size]
         collector = self._collector
         index = np.concatenate([part.tensor_index for part in pending.parts])
         layers, stats, total_norm = summarise_layers(
@@ -185,7 +200,11 @@ class Assembler:
             per_layer=pending.per_layer,
             abs_stats=pending.per_layer,
             dropped_steps=0 if self.drops is None else self.drops.total,
+            skipped_by=pending.skipped_by,
+            skipped_steps=pending.skipped_steps,
             **(pending.origin or {}),
+            **(spike_fields(spike) if len(spike) else {}),
+            **self._part("update signals", lambda: self.update_fields(pending, layers), _NONE),
             **self._part("step evidence", lambda: _evidence(flags[:5]), _NONE),
             **self._part(
                 "activation gradients",
@@ -196,6 +215,20 @@ class Assembler:
                 "rank norms", lambda: self._ranks(flags[5 + n_activations :], layers), _NONE
             ),
         )
+
+    def update_fields(self, pending: PendingStep, layers: tuple[str, ...]) -> dict[str, Any]:
+        """``param_norms`` and ``update_norms`` for ``layers``, from the step's update rows."""
+        if pending.update is None:
+            return {}
+        buffer, ready = pending.update
+        if ready is not None:
+            ready.synchronize()
+        collector = self._collector
+        params, updates = layer_update_norms(
+            buffer.numpy(), collector.tensor_layer, len(collector.layer_names)
+        )
+        rows = [self._layer_position[name] for name in layers]
+        return {"param_norms": params[rows], "update_norms": updates[rows]}
 
     def _part(self, name: str, build: Callable[[], T], fallback: T) -> T:
         """One optional part of a step; a failure is reported once and costs only it."""

@@ -141,6 +141,37 @@ class DistributedOptions(BaseModel):
     )
 
 
+class UpdateSignals(BaseModel):
+    """Optimizer-aware signals on logged steps: param_norm/, update_norm/, update_ratio/."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        False,
+        description="Measure, on logged steps, each layer's weight norm and the norm of the "
+        "update optimizer.step() applied (needs optimizer=). Costs one copy of the trainable "
+        "parameters, kept for reuse, and two norm passes per logged step.",
+    )
+
+
+class SkipOptions(BaseModel):
+    """What rules whose action is ``skip`` do beyond leaving the step out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_consecutive: PositiveInt = Field(
+        5,
+        description="Skipped steps in a row after which the next bad step raises "
+        "GradientAlertError instead: skipping does not recover that run.",
+    )
+    journal: Path = Field(
+        Path("skipped_steps.json"),
+        description="The bad-step journal: a JSON list, one entry per skipped step (step, "
+        "rule, layer, micro-batch indices), rewritten at each skip; read it with "
+        "gradtrack.journal.read_journal to leave those batches out of a resumed run.",
+    )
+
+
 class GradtrackConfig(BaseModel):
     """Everything that decides what gradtrack watches, how often, and how it hands data on.
 
@@ -276,6 +307,18 @@ class GradtrackConfig(BaseModel):
     distributed: DistributedOptions = Field(
         default_factory=DistributedOptions, description="torch.distributed options."
     )
+    update_signals: UpdateSignals = Field(
+        default_factory=UpdateSignals,
+        description="Update/weight ratios per layer (True: on); see docs/signals.md.",
+    )
+    skip: SkipOptions = Field(
+        default_factory=SkipOptions, description="Options of the rules whose action is skip."
+    )
+
+    @field_validator("update_signals", mode="before")
+    @classmethod
+    def _switch_is_enough(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
 
     @field_validator("include", "exclude", "layer_metrics", mode="before")
     @classmethod

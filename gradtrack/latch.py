@@ -16,20 +16,29 @@ from gradtrack.stats import DeviceIndex
 
 
 class BadStepLatch:
-    """The step number and per-tensor L2 norms of the first non-finite step since the last
-    `take`, as one float64 tensor ``[step, *norms]`` on the model's (first) device; -1 for
-    no step yet and for tensors without a gradient at that step."""
+    """The step number and per-tensor L2 norms of the first bad step since the last `take`
+    — non-finite, or spiking (`gradtrack.spike`) — as one float64 tensor
+    ``[step, *norms, *spike]`` on the model's (first) device; -1 for no step yet and for
+    tensors without a gradient at that step; ``spike`` the step's spike vector (``spike_size``
+    values, none without the spike rule)."""
 
-    def __init__(self, n_tensors: int) -> None:
-        self.size = 1 + n_tensors
+    def __init__(self, n_tensors: int, spike_size: int = 0) -> None:
+        self.n_tensors = n_tensors
+        self.size = 1 + n_tensors + spike_size
         self._state: Tensor | None = None
         self._index = DeviceIndex()
 
-    def update(self, guard: Guard, step: int) -> None:
-        """Latch this step if it is the first non-finite one: no host read, no branch."""
+    def update(self, guard: Guard, step: int, spike: Tensor | None = None) -> None:
+        """Latch this step if it is the first bad one: no host read, no branch."""
         part = guard.devices[0]  # (a model spread over devices is latched on its first)
         state = self._state_on(part.device)
-        fresh = torch.logical_and(~torch.isfinite(part.l2).all(), state[0] < 0)
+        bad = ~torch.isfinite(part.l2).all()
+        if spike is not None:
+            bad = bad | spike_flagged(spike)
+        fresh = torch.logical_and(bad, state[0] < 0)
+        if spike is not None:
+            tail = state[1 + self.n_tensors :]
+            tail.copy_(torch.where(fresh, spike, tail))
         state[0] = torch.where(fresh, float(step), state[0])
         index = self._index(part.index, part.device) + 1
         state[index] = torch.where(fresh, part.l2, state[index])
@@ -46,14 +55,19 @@ class BadStepLatch:
         return self._state
 
 
-def latched_step(flags: np.ndarray) -> tuple[int, np.ndarray] | None:
-    """(step, per-tensor norms, -1 where absent) from a latch read on the host; None if
-    no step was bad.
+def spike_flagged(spike: Tensor) -> Tensor:
+    """Whether any column of a `gradtrack.spike.NormWindow` vector spiked (on the device)."""
+    return spike[2 * (len(spike) // 3) :].any()
 
-    >>> latched_step(np.array([-1.0, -1.0, -1.0]))
-    >>> latched_step(np.array([7.0, 1.5, np.nan]))
-    (7, array([1.5, nan]))
+
+def latched_step(flags: np.ndarray, n_tensors: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """(step, per-tensor norms, -1 where absent, the spike vector) from a latch read on the
+    host; None if no step was bad.
+
+    >>> latched_step(np.array([-1.0, -1.0, -1.0]), 2)
+    >>> latched_step(np.array([7.0, 1.5, np.nan]), 2)
+    (7, array([1.5, nan]), array([], dtype=float64))
     """
     if len(flags) == 0 or flags[0] < 0:
         return None
-    return int(flags[0]), flags[1:]
+    return int(flags[0]), flags[1 : 1 + n_tensors], flags[1 + n_tensors :]

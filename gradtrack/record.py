@@ -21,7 +21,7 @@ TOTAL_NORM_KEY = "grad/total_norm"
 # Every family a step's metrics use (the first key segment: a W&B panel section).
 FAMILIES = (
     "grad", "grad_norm", "grad_max", "grad_mean_abs", "grad_rms", "grad_nan", "grad_inf",
-    "act_grad_norm",
+    "act_grad_norm", "param_norm", "update_norm", "update_ratio",
 )  # fmt: skip
 # Metric family per statistic; NaN/Inf families appear only where the count is non-zero.
 LAYER_KEY_PREFIX = {
@@ -36,6 +36,8 @@ ABS_STATS = ("max_abs", "mean_abs")
 ACTIVATION_KEY_PREFIX = "act_grad_norm"
 # With ``distributed.gather_ranks``: grad_norm_rank<r>/<layer>, rank r's local gradient.
 RANK_KEY_PREFIX = "grad_norm_rank"
+# With ``update_signals``: ‖W‖, ‖ΔW‖ of the applied update, and their ratio, per layer.
+UPDATE_KEY_PREFIX = {"param": "param_norm", "update": "update_norm", "ratio": "update_ratio"}
 
 
 class LayerStats(NamedTuple):
@@ -101,6 +103,27 @@ class StepRecord:
     # Steps lost so far between the training thread and the sinks (a full queue): written as
     # gradtrack/dropped once non-zero.
     dropped_steps: int = 0
+    # Spike statistics of this step (`gradtrack.spike`), per column: 0 the total norm, 1 + i
+    # the watcher's layer i (every layer, not only ``layers``): z-score, the window's typical
+    # norm, and whether it spiked. None where the spike rule is off.
+    spike_z: np.ndarray | None = None
+    spike_typical: np.ndarray | None = None
+    spiking: np.ndarray | None = None
+    # With ``update_signals``, rows follow ``layers``: ‖W‖ before the optimizer step and
+    # ‖ΔW‖ of the update it applied (NaN where unknown). None where not measured.
+    param_norms: np.ndarray | None = None
+    update_norms: np.ndarray | None = None
+    # A rule whose action is "skip" left this step's optimizer step out; how many steps were
+    # skipped so far (written as grad/skipped once non-zero).
+    skipped_by: str | None = None
+    skipped_steps: int = 0
+
+    def update_ratios(self) -> np.ndarray | None:
+        """‖ΔW‖/‖W‖ per layer (rows follow ``layers``), or None if not measured."""
+        if self.update_norms is None or self.param_norms is None:
+            return None
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.update_norms / self.param_norms
 
     def column(self, name: str) -> np.ndarray:
         return self.stats[:, STAT_COLUMNS.index(name)]
@@ -182,6 +205,8 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
         metrics[metric_key("grad", "inf_count", model)] = float(record.inf_count)
     if record.dropped_steps:
         metrics[metric_key("gradtrack", "dropped", model)] = float(record.dropped_steps)
+    if record.skipped_steps:
+        metrics[metric_key("grad", "skipped", model)] = float(record.skipped_steps)
     extremes = record.extreme_layers()
     if extremes is not None:
         metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]
@@ -198,6 +223,12 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
         prefix = LAYER_KEY_PREFIX[stat]
         for layer, value in zip(record.layers, record.column(stat).tolist()):
             metrics[metric_key(prefix, layer, model)] = value
+    ratios = record.update_ratios()
+    if ratios is not None:
+        columns = {"param": record.param_norms, "update": record.update_norms, "ratio": ratios}
+        for name, prefix in UPDATE_KEY_PREFIX.items():
+            for layer, value in zip(record.layers, columns[name].tolist()):  # type: ignore[union-attr]
+                metrics[metric_key(prefix, layer, model)] = value
     for module, value in record.activation_grad_norms.items():
         metrics[metric_key(ACTIVATION_KEY_PREFIX, module, model)] = value
     if record.rank_grad_norms is not None:
@@ -226,7 +257,7 @@ def summarise_layers(
         np.maximum.at(max_abs, tensor_layer, linf)
     numel = np.bincount(tensor_layer, tensor_numel.astype(np.float64), **weights)
     safe_numel = np.maximum(numel, 1.0)  # an empty layer's gradient is all (no) zeros
-    norms = _root_sum_squares(l2, tensor_layer, n)
+    norms = root_sum_squares(l2, tensor_layer, n)
     rows = np.stack(
         [
             norms,
@@ -240,15 +271,15 @@ def summarise_layers(
         axis=1,
     )[present]
     names = tuple(name for name, keep in zip(layer_names, present) if keep)
-    total = _root_sum_squares(norms[present], np.zeros(int(present.sum()), np.int64), 1)
+    total = root_sum_squares(norms[present], np.zeros(int(present.sum()), np.int64), 1)
     return names, rows, float(total[0]) if len(total) else 0.0
 
 
-def _root_sum_squares(values: np.ndarray, groups: np.ndarray, n: int) -> np.ndarray:
+def root_sum_squares(values: np.ndarray, groups: np.ndarray, n: int) -> np.ndarray:
     """sqrt(sum of squares) per group, scaled by each group's largest value so that squares
     of norms near fp64's limits neither overflow nor underflow; NaN and Inf propagate.
 
-    >>> _root_sum_squares(np.array([3e200, 4e200, 1e-200]), np.array([0, 0, 1]), 2)
+    >>> root_sum_squares(np.array([3e200, 4e200, 1e-200]), np.array([0, 0, 1]), 2)
     array([5.e+200, 1.e-200])
     """
     scale = np.zeros(n)

@@ -21,7 +21,9 @@ from pydantic import (
 )
 
 Severity = Literal["info", "warning", "error"]
-Action = Literal["log", "warn", "raise"]
+Action = Literal["log", "warn", "raise", "skip"]
+# Rules whose finding is one step's gradient, so that the step can be left out of training.
+SKIPPABLE = ("nonfinite", "spike", "exploding")
 
 
 class Rule(BaseModel):
@@ -31,7 +33,11 @@ class Rule(BaseModel):
 
     enabled: bool = True
     severity: Severity = "warning"
-    action: Action = Field("log", description="log: sinks only; warn: also warnings; raise: stop")
+    action: Action = Field(
+        "log",
+        description="log: sinks only; warn: also warnings; raise: stop; skip: leave the "
+        "optimizer step out (nonfinite, spike, exploding only)",
+    )
     cooldown_steps: NonNegativeInt = Field(
         100, description="After an event, the same rule and layer stay quiet this many steps."
     )
@@ -57,11 +63,25 @@ class VanishingRule(Rule):
 
 
 class SpikeRule(Rule):
-    """A layer's norm above ``ratio`` × its running average, after ``warmup`` logged steps."""
+    """The total or a layer's gradient norm ``z`` standard deviations above its mean over the
+    last ``window`` steps (log scale, every step, on the device: `gradtrack.spike`) and above
+    ``ratio`` × its typical norm there, once ``warmup`` steps are in the window. ``window`` and
+    ``warmup`` are the rule's alone (one window for all layers): no per-layer override."""
 
-    ratio: PositiveFloat = 10.0
-    warmup: NonNegativeInt = 20
-    ema_decay: float = Field(0.9, gt=0, lt=1)
+    z: PositiveFloat = 6.0
+    ratio: float = Field(3.0, ge=1.0)
+    window: int = Field(128, ge=2, le=100_000)
+    warmup: PositiveInt = 32
+
+
+class UpdateRatioRule(Rule):
+    """With ``update_signals``: a layer's update/weight ratio ‖ΔW‖/‖W‖ above ``high`` (it
+    learns too fast) or below ``low`` but not zero (barely at all), for ``patience`` logged
+    steps in a row. The usual healthy scale is around 1e-3."""
+
+    high: PositiveFloat = 0.1
+    low: PositiveFloat = 1e-6
+    patience: PositiveInt = 3
 
 
 class DeadRule(Rule):
@@ -105,6 +125,7 @@ RULE_TYPES: dict[str, type[Rule]] = {
     "jump": JumpRule,
     "flow": FlowRule,
     "amp": AmpRule,
+    "update_ratio": UpdateRatioRule,
 }
 
 
@@ -126,17 +147,27 @@ class AlertRules(BaseModel):
     jump: JumpRule = JumpRule()
     flow: FlowRule = FlowRule()
     amp: AmpRule = AmpRule()
+    update_ratio: UpdateRatioRule = UpdateRatioRule()
     layers: dict[str, dict[str, dict[str, Any]]] = Field(
         default_factory=dict, description="{glob: {rule: {field: value}}}, first match wins"
     )
 
     @model_validator(mode="after")
     def _check_overrides(self) -> AlertRules:
+        for name in RULE_TYPES:
+            _check_skippable(name, getattr(self, name).action, name)
         for pattern, rules in self.layers.items():
             for name, fields in rules.items():
                 if name not in RULE_TYPES:
                     known = ", ".join(RULE_TYPES)
                     raise ValueError(f"layers[{pattern!r}]: unknown rule {name!r}; rules: {known}")
+                _check_skippable(name, fields.get("action"), f"layers[{pattern!r}].{name}")
+                shared = {"window", "warmup"} & set(fields) if name == "spike" else set()
+                if shared:
+                    raise ValueError(
+                        f"layers[{pattern!r}].spike: {', '.join(sorted(shared))} apply to every "
+                        "layer (one window); set them on the spike rule itself"
+                    )
                 base = getattr(self, name).model_dump()
                 try:
                     RULE_TYPES[name](**{**base, **fields})
@@ -158,8 +189,23 @@ class AlertRules(BaseModel):
                 return type(rule)(**{**rule.model_dump(), **rules[name]})
         return rule
 
+    def skip_rules(self) -> tuple[str, ...]:
+        """The rules whose action is ``skip`` (by the rule, or for some layer)."""
+        named = {name for name in SKIPPABLE if getattr(self, name).action == "skip"}
+        for rules in self.layers.values():
+            named |= {name for name, fields in rules.items() if fields.get("action") == "skip"}
+        return tuple(name for name in SKIPPABLE if name in named)
+
     def actions(self) -> set[str]:
         actions = {getattr(self, name).action for name in RULE_TYPES}
         for rules in self.layers.values():
             actions |= {fields["action"] for fields in rules.values() if "action" in fields}
         return actions
+
+
+def _check_skippable(rule: str, action: str | None, where: str) -> None:
+    if action == "skip" and rule not in SKIPPABLE:
+        raise ValueError(
+            f"{where}.action = 'skip': only {', '.join(SKIPPABLE)} can skip a step (their "
+            "finding is one step's gradient); allowed actions here: log, warn, raise"
+        )

@@ -11,6 +11,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Literal
 
@@ -21,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradtrack.accumulation import AccumulationCheck
 from gradtrack.alerts import AlertEngine, AlertEvent
-from gradtrack.assemble import Assembler, FirstInWindow, PendingStep, report
+from gradtrack.assemble import AssembledStep, Assembler, FirstInWindow, PendingStep, report
 from gradtrack.collect import Collector, Guard
 from gradtrack.config import GradtrackConfig
 from gradtrack.courier import DropCount
@@ -48,6 +49,9 @@ from gradtrack.origin import OriginProbe, nonfinite_weight_layers
 from gradtrack.replaced import ReplacementCheck
 from gradtrack.schedule import layer_schedule
 from gradtrack.sinks.base import GradientSink
+from gradtrack.skip import ForwardCounter, Journal, OptimizerGate, Skip, SkipPolicy
+from gradtrack.spike import LayerNorms, NormWindow, on_host, spike_fields
+from gradtrack.updates import UpdateProbe
 from gradtrack.worker import Mailbox, Outcome, Worker
 
 AlertCallback = Callable[[AlertEvent], None]
@@ -121,6 +125,13 @@ class Watcher:
         # A rule that may raise is evaluated here, in the training thread, before the
         # optimizer applies the step; otherwise the worker evaluates every rule.
         self._raise_on_alert = "raise" in config.alerts.actions()
+        self.step = 0
+        # The guard reads its verdict at every step only where that costs no wait for the
+        # device (the CPU), or where a raise rule must see every step anyway; under FSDP2
+        # each rank sees only its shards, so unlogged steps would need a collective: there
+        # the verdict comes with the logged steps.
+        self._guard_every_step = self.ranks is None or self.ranks.layout == "replicated"
+        self._setup_signals(config, optimizer, scaler, steps)
         self.assembler = Assembler(
             self.collector,
             config,
@@ -128,21 +139,18 @@ class Watcher:
             self.activation_names,
             self.ranks,
             drops=self.drops,
+            spike_size=0 if self._spikes is None else self._spikes.size,
             mesh=self.mesh,
         )
         self.worker = Worker(
             self.assembler, sinks, self.mailbox, config, on_alert=on_alert, drops=self.drops
         )
-        self.step = 0
         # The first logged step of each layer_every window writes (and computes) every layer.
         self._per_layer_due = layer_schedule(config)
         # So does the first non-finite step of each window, logged or not (the guard's find).
         self._first_bad_due = FirstInWindow(config.layer_every)
-        # The guard reads its verdict at every step only where that costs no wait for the
-        # device (the CPU), or where a raise rule must see every step anyway; under FSDP2
-        # each rank sees only its shards, so unlogged steps would need a collective: there
-        # the verdict comes with the logged steps.
-        self._guard_every_step = self.ranks is None or self.ranks.layout == "replicated"
+        # And the first spiking one, apart: a spike must not take a later NaN's place.
+        self._first_spike_due = FirstInWindow(config.layer_every)
         # None: the guard's verdict is read at each step on the CPU, and latched on the
         # device for the next logged step elsewhere (`gradtrack.latch`); False: latched
         # everywhere (how tests take the accelerator's path on a CPU).
@@ -170,6 +178,54 @@ class Watcher:
         _WATCHED[inner] = self
         _OPEN.add(self)
 
+    def _setup_signals(
+        self,
+        config: GradtrackConfig,
+        optimizer: torch.optim.Optimizer | None,
+        scaler: torch.amp.GradScaler | None,
+        steps: StepSource,
+    ) -> None:
+        """The every-step spike statistics, the skip rules and the update signals (see
+        docs/signals.md): what they need is checked here, at watch time."""
+        rules, engine = config.alerts, self.alert_engine
+        layer_names = self.collector.layer_names
+        columns: list[str | None] = [None, *layer_names]
+        skip_rules = rules.skip_rules()
+        own_steps = optimizer is not None and scaler is None and steps == "auto"
+        if (skip_rules or config.update_signals.enabled) and not own_steps:
+            feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
+            raise GradtrackError(
+                f"{feature} needs optimizer= (without scaler= or steps=): gradtrack must be "
+                "at the optimizer's step, before and after it runs. (A GradScaler already "
+                "skips non-finite steps by itself.)"
+            )
+        if config.update_signals.enabled and self.collector.local_shards:
+            raise GradtrackError("update_signals does not support sharded (FSDP2) parameters yet")
+        spike_on = [engine.rule("spike", layer).enabled for layer in columns]
+        self._spikes: NormWindow | None = None
+        if any(spike_on) and self._guard_every_step:
+            self._spikes = NormWindow(
+                len(layer_names), rules.spike.window, rules.spike.warmup,
+                z=[engine.rule("spike", layer).z for layer in columns],
+                ratio=[engine.rule("spike", layer).ratio for layer in columns],
+                enabled=spike_on,
+            )  # fmt: skip
+        self._skips: SkipPolicy | None = None
+        self._journal: Journal | None = None
+        self._forwards: ForwardCounter | None = None
+        if skip_rules:
+            self._skips = SkipPolicy(engine, layer_names, config.skip.max_consecutive)
+            self._journal = Journal(config.skip.journal)
+        self._layer_norms: LayerNorms | None = None
+        if self._spikes is not None or self._skips is not None:
+            self._layer_norms = LayerNorms(self.collector.tensor_layer, len(layer_names))
+        self._updates: UpdateProbe | None = None
+        if config.update_signals.enabled:
+            self._updates = UpdateProbe(self.collector.params)
+        # A logged step waiting for its optimizer step, to carry the update it applied.
+        self._held: PendingStep | AssembledStep | None = None
+        self._gate: OptimizerGate | None = None
+
     def _attach(
         self,
         model: nn.Module,
@@ -180,6 +236,10 @@ class Watcher:
         manual = self._steps == "manual"
         if scaler is not None:
             self._scaler_tap = ScalerTap(scaler, None if manual else self._step_boundary)
+        elif optimizer is not None and self._skips is not None:
+            self._gate = OptimizerGate(optimizer, self._end_step)
+            self._forwards = ForwardCounter(model)
+            self._handles.append(self._forwards.handle)
         elif optimizer is not None and self._steps == "auto":
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
         elif not manual:
@@ -190,6 +250,8 @@ class Watcher:
                 self._accumulation = AccumulationCheck(self.collector.params)
                 self._handles.append(self._accumulation.handle)
         self._handles.extend(ReplacementCheck(unwrap_model(model)).handles)
+        if self._updates is not None and optimizer is not None:
+            self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
         layer_of = {
             id(p): int(i) for p, i in zip(self.collector.params, self.collector.tensor_layer)
         }
@@ -233,6 +295,8 @@ class Watcher:
             self._order_probe = None
         if self._scaler_tap is not None:
             self._scaler_tap.remove()
+        if self._gate is not None:
+            self._gate.remove()
         if self._origin_probe is not None:
             self._origin_probe.remove()
 
@@ -303,41 +367,95 @@ class Watcher:
         hist_every = self.config.hist_every
         return step % self.config.log_every == 0, hist_every is not None and step % hist_every == 0
 
+    def _after_optimizer_step(self, *_: Any) -> None:
+        """The update a held logged step applied: measured, attached, handed on."""
+        held, self._held = self._held, None
+        if held is None or self._updates is None:
+            return
+        try:
+            update = self._updates.after()
+            if isinstance(held, PendingStep):
+                held.update = update
+            else:  # judged already (a raise rule): its record gets the signals now
+                record = held.records[-1]
+                fields = self.assembler.update_fields(
+                    PendingStep(record.step, record.wall_time, [], update=update), record.layers
+                )
+                held.records[-1] = replace(record, **fields)
+        except Exception as exc:  # watching must never crash training
+            self._collect_failed(self.step - 1, exc)
+        self.mailbox.put_step(held)
+
+    def _release_held(self) -> None:
+        """A held step whose optimizer step did not come (skipped, or it raised)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.mailbox.put_step(held)
+
+    def _hand_on(self, item: PendingStep | AssembledStep, logged: bool, skip: Skip | None) -> None:
+        if self._updates is not None and logged and skip is None:
+            try:
+                self._updates.before()
+                self._held = item
+                return
+            except Exception as exc:  # watching must never crash training
+                self._collect_failed(self.step - 1, exc)
+        self.mailbox.put_step(item)
+
     def _step_boundary(self) -> None:
+        self._end_step()
+
+    def _end_step(self) -> bool:
+        """End step ``self.step``: guard it, judge it, summarise it if due. True: a skip rule
+        tripped, and the optimizer step is to be left out."""
+        self._release_held()
         step, self.step = self.step, self.step + 1
         if self._accumulation is not None:
             self._accumulation.backward()
         backward_order = self._finish_order_probe()
+        micro_batches = self._forwards.take() if self._forwards is not None else []
         logged, with_samples = self._is_due(step)
         guard = self._guard(step, exact=logged or with_samples)
         if guard is None:
-            return
-        verdict = self._verdict(guard)
+            return False
+        norms, spike = self._signals(guard, step)
+        verdict = self._verdict(guard, norms, spike)
         if verdict is None:
-            self._latch_if_bad(guard, step)
-        bad = verdict is False
-        if bad and not guard.exact:  # a bad step is summarised: its norms must be exact
-            guard = self._guard(step, exact=True)
-            if guard is None:
-                return
+            self._latch_if_bad(guard, step, spike)
+        finite, spiked, skip = verdict or (True, False, None)
+        bad, flagged = not finite, not finite or spiked
+        error: GradientAlertError | None = None
+        if skip is not None and self._skips is not None:
+            error = self._skips.count(step, skip)
+            if error is None and self._journal is not None:
+                self._write_journal(step, skip, micro_batches)
+            skip = None if error is not None else skip
         first_bad = bad and self._first_bad_due(step)
+        first_flagged = first_bad or (spiked and not bad and self._first_spike_due(step))
         origin = None
-        if bad and (logged or with_samples or first_bad or self._raise_on_alert):
-            origin = self._origin(replay=first_bad or self._raise_on_alert)
+        if bad and (logged or with_samples or first_bad or self._raise_on_alert or skip):
+            origin = self._origin(replay=first_bad or self._raise_on_alert or bool(skip))
         if self._origin_probe is not None:
             self._origin_probe.forget()  # the step's inputs and output gradient
-        if not (logged or with_samples or first_bad or (bad and self._raise_on_alert)):
-            return  # the common case: one pass over the gradients, nothing handed off
+        judged = flagged and (self._raise_on_alert or error is not None)
+        if not (logged or with_samples or first_flagged or judged or skip is not None):
+            return False  # the common case: one pass over the gradients, nothing handed off
+        if not guard.exact:  # a bad or skipped step is summarised: its norms must be exact
+            guard = self._guard(step, exact=True) or guard
         due = logged or with_samples
-        per_layer = (due and self._per_layer_due(step)) or first_bad
-        pending = self._collect(guard, step, with_samples, backward_order, per_layer, due)
+        per_layer = (due and self._per_layer_due(step)) or first_flagged
+        pending = self._collect(guard, step, with_samples, backward_order, per_layer, due, spike)
         if pending is not None:
             pending.origin = origin
+            pending.skipped_by = None if skip is None else skip.rule
+            pending.skipped_steps = 0 if self._skips is None else self._skips.total
         if not self._raise_on_alert:
             if pending is not None:
-                self.mailbox.put_step(pending)
-            return
-        error = self._evaluate_now(pending)
+                self._hand_on(pending, logged, skip)
+            if error is not None:
+                raise error
+            return skip is not None
+        error = self._evaluate_now(pending, logged, skip) or error
         if self.ranks is not None:
             # Every rank stops together, or the others would wait in their next collective.
             event = None if error is None else error.event
@@ -348,6 +466,27 @@ class Watcher:
                 error = GradientAlertError(AlertEvent.model_validate_json(shared))
         if error is not None:
             raise error
+        return skip is not None
+
+    def _signals(self, guard: Guard, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every step, on the device: the total and layer norms, and the spike vector."""
+        if self._layer_norms is None:
+            return None, None
+        try:
+            norms = self._layer_norms(guard)
+            if self._spikes is None:
+                return norms, None
+            return norms, self._spikes.update(norms, host=on_host(guard))
+        except Exception as exc:  # watching must never crash training
+            self._collect_failed(step, exc)
+            return None, None
+
+    def _write_journal(self, step: int, skip: Skip, micro_batches: list[int]) -> None:
+        assert self._journal is not None
+        try:
+            self._journal.add(step, skip, micro_batches)
+        except OSError as exc:  # the step is still skipped; only its journal line is lost
+            self._collect_failed(step, exc)
 
     def _origin(self, replay: bool) -> dict[str, Any] | None:
         """A non-finite step, before its update: are the weights already non-finite (an
@@ -370,20 +509,43 @@ class Watcher:
             self._collect_failed(self.step - 1, exc)
             return None
 
-    def _verdict(self, guard: Guard) -> bool | None:
-        """Whether the step's gradients are finite, where that is known now without waiting
-        for a device (or a raise rule pays the wait); None: latch it instead."""
+    def _verdict(
+        self, guard: Guard, norms: torch.Tensor | None, spike: torch.Tensor | None
+    ) -> tuple[bool, bool, Skip | None] | None:
+        """(finite, spiking, the skip a rule asks for), where that is known now without
+        waiting for a device (or a raise or skip rule pays one read per step); None: latch
+        it instead."""
         if not self._guard_every_step:
-            return True  # (FSDP2: the logged steps' summaries judge)
-        if self._raise_on_alert:
-            return guard.finite(wait=True)
-        return None if self.guard_reads_host is False else guard.finite()
+            return True, False, None  # (FSDP2: the logged steps' summaries judge)
+        judge_now = self._raise_on_alert or self._skips is not None
+        cpu = all(part.device.type == "cpu" for part in guard.devices)
+        if not judge_now and (self.guard_reads_host is False or not cpu):
+            return None
+        if norms is None:
+            return bool(guard.finite(wait=True)), False, None
+        if cpu:  # host memory already: nothing to wait for, nothing to copy
+            finite = bool(guard.finite())
+            layer_norms = norms.numpy()
+            spike_host = None if spike is None else spike.numpy()
+        else:  # the one read a raise or skip rule costs: every device's verdict with it
+            flags = [torch.isfinite(part.l2).all().to(norms.device) for part in guard.devices]
+            parts = [torch.stack(flags).double(), norms, *([] if spike is None else [spike])]
+            read = torch.cat(parts).cpu().numpy()
+            finite = bool(read[: len(flags)].all())
+            layer_norms = read[len(flags) : len(flags) + len(norms)]
+            spike_host = None if spike is None else read[len(flags) + len(norms) :]
+        spiking = spike_host is not None and bool(spike_fields(spike_host)["spiking"].any())
+        skip = None
+        if self._skips is not None:
+            skip = self._skips.decide(finite, layer_norms, spike_host)
+        return finite, spiking, skip
 
-    def _latch_if_bad(self, guard: Guard, step: int) -> None:
+    def _latch_if_bad(self, guard: Guard, step: int, spike: torch.Tensor | None) -> None:
         if self._latch is None:
-            self._latch = BadStepLatch(len(self.collector.params))
+            spike_size = 0 if self._spikes is None else self._spikes.size
+            self._latch = BadStepLatch(len(self.collector.params), spike_size)
             self.assembler.latch_size = self._latch.size  # before any step carries it
-        self._latch.update(guard, step)
+        self._latch.update(guard, step, spike)
 
     def _guard(self, step: int, exact: bool) -> Guard | None:
         """Every step: each gradient's L2 norm, in one batched pass on its device (exact
@@ -402,6 +564,7 @@ class Watcher:
         backward_order: list[int] | None,
         per_layer: bool,
         with_ranks: bool,
+        spike: torch.Tensor | None = None,
     ) -> PendingStep | None:
         """Launch the step's reductions and its copy to the host; None if this rank hands
         nothing to a worker (another rank writes, or collecting failed). Max and mean |g| are
@@ -417,6 +580,8 @@ class Watcher:
             if self.ranks is not None and self.ranks.rank != 0 and self.ranks.layout != "sharded":
                 return None
             evidence, activation_order = self._evidence(ranks_local)
+            if self._spikes is not None:  # (NaN where this step's statistics failed)
+                evidence.append(spike if spike is not None else self._no_spike(guard))
             if self._latch is not None:
                 evidence.append(self._latch.take(guard.devices[0].device))
             parts = self.collector.collect(guard, with_samples, evidence, full=per_layer)
@@ -429,6 +594,11 @@ class Watcher:
             step, time.time(), parts, backward_order, activation_order, per_layer=per_layer
         )
 
+    def _no_spike(self, guard: Guard) -> torch.Tensor:
+        assert self._spikes is not None
+        size, device = self._spikes.size, guard.devices[0].device
+        return torch.full((size,), float("nan"), dtype=torch.float64, device=device)
+
     def _collect_failed(self, step: int, exc: Exception) -> None:
         self.collect_errors += 1
         if self.collect_errors == 1:
@@ -438,14 +608,16 @@ class Watcher:
                 stacklevel=4,
             )
 
-    def _evaluate_now(self, pending: PendingStep | None) -> GradientAlertError | None:
+    def _evaluate_now(
+        self, pending: PendingStep | None, logged: bool, skip: Skip | None
+    ) -> GradientAlertError | None:
         """A "raise" rule must see the step before the optimizer applies it: the record is
         made and judged here (one wait for the device's copy), then handed to the worker.
         Never waits on a sink."""
         if pending is None:
             return None
         assembled = self.assembler.assemble(pending)
-        self.mailbox.put_step(assembled)
+        self._hand_on(assembled, logged, skip)
         for event in assembled.events:
             if self.alert_engine.rule(event.rule, event.layer).action == "raise":
                 if event.severity != "info":
@@ -504,6 +676,7 @@ class Watcher:
             return
         self.closed = True
         self._detach()
+        self._release_held()
         model = self.model_ref()
         if model is not None and _WATCHED.get(model) is self:
             del _WATCHED[model]

@@ -87,6 +87,16 @@ class NoUpdate(torch.optim.Optimizer):
         return None
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models train on one thread: on a shared machine competing threads slow them
+    many times over."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
     """One real `mlflow server` (sqlite store, local artifacts) for the whole test session."""

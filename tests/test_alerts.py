@@ -348,7 +348,9 @@ def test_invalid_rules_name_the_field_and_allowed_values() -> None:
         GradtrackConfigError, match=r"alerts.exploding.threshold = -1 .*greater than 0"
     ):
         gradtrack.watch(nn.Linear(2, 2), alerts={"exploding": {"threshold": -1}})
-    with pytest.raises(GradtrackConfigError, match=r"action = 'stop' .*'log', 'warn' or 'raise'"):
+    with pytest.raises(
+        GradtrackConfigError, match=r"action = 'stop' .*'log', 'warn', 'raise' or 'skip'"
+    ):
         gradtrack.watch(nn.Linear(2, 2), alerts={"nonfinite": {"action": "stop"}})
     with pytest.raises(GradtrackConfigError, match=r"unknown rule 'vanish'; rules: nonfinite"):
         gradtrack.watch(nn.Linear(2, 2), alerts={"layers": {"x*": {"vanish": {}}}})

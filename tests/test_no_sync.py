@@ -87,3 +87,27 @@ def test_foreach_path_ops_per_logged_step_do_not_grow_with_the_number_of_layers(
         return count(True) - count(False)
 
     assert ops_per_logged_step(4) == ops_per_logged_step(64)
+
+
+def test_spike_statistics_every_step_read_nothing_on_the_accelerator_path(cnn: nn.Module) -> None:
+    """The default spike rule's window is updated at every step, and a spike between logged
+    steps is latched on the device: no value is read back per step."""
+    optimizer = NoUpdate(cnn.parameters())
+    sink = MemorySink()
+    watcher = gradtrack.watch(cnn, backend=sink, optimizer=optimizer, log_every=10, hist_every=None)
+    watcher.collector.foreach_only = True
+    watcher.guard_reads_host = False  # what an accelerator does between logged steps
+    recorder = OpRecorder()
+    with recorder:
+        for step in range(41):  # the latch reaches the host with logged step 40
+            images, labels = cnn_batch(seed=step % 2)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(cnn(images), labels).backward()
+            if step == 33:
+                for param in cnn.parameters():
+                    param.grad.mul_(300.0)  # type: ignore[union-attr]
+            optimizer.step()
+    watcher.close()
+    assert recorder.ops["index_add_"] == 41  # the layer norms of every step
+    assert recorder.ops["_local_scalar_dense"] == 0
+    assert {e.step for e in sink.events if e.rule == "spike"} == {33}

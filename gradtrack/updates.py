@@ -1,0 +1,87 @@
+"""Optimizer-aware signals: each parameter's norm and the norm of the update the optimizer
+actually applied (weight decay, momentum and Adam's preconditioning included).
+
+ΔW is measured, not derived from the optimizer's state: on a logged step the parameters are
+copied, before ``optimizer.step()``, into buffers made once and reused (one copy of the
+trainable parameters, for the run), and subtracted from after it. Unlogged steps pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from gradtrack.record import root_sum_squares
+from gradtrack.stats import DeviceIndex, copy_to_host
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class UpdateProbe:
+    """`before` and `after` one optimizer step: per tensor, (‖W before‖, ‖W after − W before‖)
+    as a float64 ``[tensors, 2]`` tensor on the first device, copied to the host without a
+    wait (`stats.copy_to_host`)."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self._params = list(params)
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+        for i, param in enumerate(self._params):
+            groups[(param.device, param.dtype)].append(i)
+        self._groups = list(groups.values())
+        self._inverse = np.argsort(np.concatenate([np.asarray(g) for g in self._groups]))
+        self._index = DeviceIndex()
+        self._snapshots: list[list[Tensor]] | None = None
+        self._param_norms: list[Tensor] = []
+
+    def before(self) -> None:
+        """Copy the weights (into the reused buffers) and take their norms."""
+        with torch.no_grad():
+            weights = [[self._params[i].detach() for i in group] for group in self._groups]
+            if self._snapshots is None:
+                self._snapshots = [[torch.empty_like(w) for w in ws] for ws in weights]
+            self._param_norms = []
+            for snapshot, ws in zip(self._snapshots, weights):
+                torch._foreach_copy_(snapshot, ws)
+                self._param_norms.append(_norms(ws))
+
+    def after(self) -> tuple[Tensor, torch.cuda.Event | None]:
+        """The step's rows, in the order of ``params``, and the event its host copy sets."""
+        assert self._snapshots is not None, "after() without before()"
+        with torch.no_grad():
+            updates = []
+            for group, snapshot in zip(self._groups, self._snapshots):
+                torch._foreach_sub_(snapshot, [self._params[i].detach() for i in group])
+                updates.append(_norms(snapshot))
+            device = self._param_norms[0].device
+            rows = torch.stack(
+                [
+                    torch.cat([n.to(device) for n in self._param_norms]),
+                    torch.cat([n.to(device) for n in updates]),
+                ],
+                dim=1,
+            )
+            return copy_to_host(rows[self._index(self._inverse, device)])
+
+
+def _norms(tensors: list[Tensor]) -> Tensor:
+    """float64 L2 norms (fp32 accumulation for fp16/bf16 weights)."""
+    accumulate = torch.float32 if tensors[0].dtype in _LOW_PRECISION else None
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=accumulate)).double()
+
+
+def layer_update_norms(
+    rows: np.ndarray, tensor_layer: np.ndarray, n_layers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer (every layer): ‖W‖ and ‖ΔW‖ from the per-tensor rows of `UpdateProbe.after`.
+
+    >>> layer_update_norms(np.array([[3.0, 0.3], [4.0, 0.4]]), np.array([0, 0]), 1)
+    (array([5.]), array([0.5]))
+    """
+    return (
+        root_sum_squares(rows[:, 0], tensor_layer, n_layers),
+        root_sum_squares(rows[:, 1], tensor_layer, n_layers),
+    )

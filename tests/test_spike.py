@@ -1,0 +1,144 @@
+"""Spike detection every step: a gradient spike between logged steps is flagged at its step,
+with the default rules, and healthy training raises nothing."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from benchmarks.models import MODELS
+from gradtrack.sinks import MemorySink
+from gradtrack.spike import NormWindow, spike_fields
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def regression_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1)
+    )
+
+
+def train(
+    model: nn.Module, steps: int, scale_at: dict[int, float], layer: int | None = None, **kw: object
+) -> tuple[MemorySink, gradtrack.Watcher]:
+    """SGD on a stable regression task (fresh batches, same distribution); at the steps of
+    ``scale_at`` every gradient (or only ``layer``'s) is multiplied after backward."""
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, **kw) as watcher:  # type: ignore[arg-type]
+        for step in range(steps):
+            generator = torch.Generator().manual_seed(step)
+            x = torch.randn(64, 8, generator=generator)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+            if step in scale_at:
+                targets = model if layer is None else model[layer]
+                for param in targets.parameters():
+                    param.grad.mul_(scale_at[step])  # type: ignore[union-attr]
+            optimizer.step()
+    return sink, watcher
+
+
+@pytest.mark.parametrize("latched", [False, True], ids=["read_at_step", "latched_on_device"])
+def test_a_300x_gradient_at_an_unlogged_step_is_flagged_at_that_step(latched: bool) -> None:
+    model = regression_model()
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    watcher = gradtrack.watch(model, backend=sink, optimizer=optimizer)  # default rules
+    if latched:  # the accelerator's path: nothing read between logged steps
+        watcher.guard_reads_host = False
+        watcher.collector.foreach_only = True
+    for step in range(140):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(64, 8, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+        if step == 123:  # after 120 stable steps, between logged steps 120 and 130
+            for param in model.parameters():
+                param.grad.mul_(300.0)  # type: ignore[union-attr]
+        optimizer.step()
+    watcher.close()
+    spikes = [e for e in sink.events if e.rule == "spike"]
+    assert spikes, "the spike was not flagged"
+    assert {e.step for e in spikes} == {123}
+    total = next(e for e in spikes if e.layer is None)
+    assert total.value == pytest.approx(300 * total.threshold / 3.0, rel=0.5)  # ~300x typical
+    assert "spiked" in total.message and total.statistic == "total_norm"
+    record = next(r for r in sink.records if r.step == 123)
+    assert record.spiking is not None and record.spiking[0]
+    assert [e for e in sink.events if e.severity != "info" and e.rule != "spike"] == []
+
+
+def test_a_spike_in_one_layer_names_that_layer() -> None:
+    sink, _ = train(regression_model(), 140, {123: 300.0}, layer=2)
+    spikes = [e for e in sink.events if e.rule == "spike"]
+    assert {e.step for e in spikes} == {123}
+    (event,) = [e for e in spikes if e.layer is not None]  # (the total may spike with it)
+    assert (event.layer, event.layers) == ("2", ("2",))
+
+
+def test_no_spike_before_warmup_and_none_in_stable_training() -> None:
+    sink, _ = train(regression_model(), 150, {10: 300.0})  # step 10 < warmup (32)
+    assert [e for e in sink.events if e.rule == "spike"] == []
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "transformer"])
+def test_benchmark_models_train_100_steps_without_a_spike_alarm(name: str) -> None:
+    torch.manual_seed(0)
+    model, loss_fn = MODELS[name]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer):
+        for _ in range(100):  # 68 steps past the warm-up
+            optimizer.zero_grad()
+            loss_fn().backward()
+            optimizer.step()
+    assert [e for e in sink.events if e.rule == "spike"] == []
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
+def test_window_statistics_match_a_reference_over_the_last_steps(host: bool) -> None:
+    """z, the typical norm and the flags against a straightforward numpy computation over
+    the window's accepted values (absent and non-finite norms are not accepted)."""
+    rng = np.random.default_rng(0)
+    series = np.exp(rng.normal(0.0, 0.1, size=(40, 2)))
+    series[30, 1] *= 300.0  # a spike in layer 0's column
+    series[20, 1] = 0.0  # layer 0 without a gradient
+    series[25] = np.nan  # a non-finite step
+    window = NormWindow(1, window=16, warmup=8, z=[6.0, 6.0], ratio=[3.0, 3.0], enabled=[1, 1])
+    slots: list[list[float]] = [[], []]  # per column, the window's last 16 steps (NaN: none)
+    for step, norms in enumerate(series):
+        fields = spike_fields(window.update(torch.tensor(norms), host=host).numpy())
+        for column in range(2):
+            past = np.array([v for v in slots[column][-16:] if math.isfinite(v)])
+            log = math.log10(norms[column]) if norms[column] > 0 else math.nan
+            spiked = False
+            if len(past) and math.isfinite(log):
+                mean, std = past.mean(), max(past.std(), 1e-3)
+                z = (log - mean) / std
+                assert fields["spike_z"][column] == pytest.approx(z, rel=1e-9)
+                assert fields["spike_typical"][column] == pytest.approx(10**mean, rel=1e-9)
+                spiked = len(past) >= 8 and z > 6.0 and log - mean > math.log10(3)
+                log = mean + 6.0 * std if spiked else log  # a spike enters clipped
+            assert bool(fields["spiking"][column]) == spiked, (step, column)
+            assert spiked == (step == 30 and column == 1)
+            slots[column].append(log)
+
+
+def test_window_and_warmup_are_refused_as_layer_overrides() -> None:
+    with pytest.raises(gradtrack.GradtrackError, match="window apply to every layer"):
+        gradtrack.watch(nn.Linear(2, 2), alerts={"layers": {"*": {"spike": {"window": 8}}}})
+
+
+def test_a_spike_does_not_take_a_later_nan_steps_place_in_its_window() -> None:
+    """Both are summarised at their own (unlogged) steps, in one layer_every window."""
+    sink, _ = train(regression_model(), 135, {123: 300.0, 125: math.nan})
+    assert {e.step for e in sink.events if e.rule == "spike"} == {123}
+    assert next(e.step for e in sink.events if e.rule == "nonfinite") == 125
