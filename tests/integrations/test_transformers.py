@@ -203,7 +203,7 @@ def test_trainer_ddp_under_torchrun_rank0_writes_synchronized_gradients(tmp_path
 
     assert [rank["n_sinks"] for rank in ranks] == [1, 0]
     records = ranks[0]["records"]
-    assert [r.step for r in records] == list(range(STEPS))
+    assert [r.step for r in records] == list(range(1, STEPS + 1))  # the Trainer's global_step
     for record, expected in zip(records, ranks[0]["seen"]):
         assert record.nonfinite_ranks == ()  # both ranks' local norms reached rank 0
         for layer, stats in expected.items():
