@@ -168,3 +168,23 @@ def spool_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "spool"
     monkeypatch.setenv("GRADTRACK_SPOOL_DIR", str(root))
     return root
+
+
+@pytest.fixture(autouse=True)
+def mlflow_globals_reset() -> Iterator[None]:
+    """MLflow's fluent API keeps process-wide state — the active run (per thread), the
+    tracking URI and experiment set by ``set_tracking_uri``/``set_experiment`` (Hugging Face's
+    MLflowCallback sets both). A test must not hand any of it to the next test's watcher."""
+    yield
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        return
+    from mlflow.tracking import fluent
+
+    while mlflow.active_run() is not None:
+        try:
+            mlflow.end_run()
+        except Exception:  # its store is gone with the test's folder
+            fluent._active_run_stack.get().clear()
+    fluent._active_experiment_id = None
+    mlflow.set_tracking_uri(None)
