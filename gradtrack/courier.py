@@ -219,8 +219,7 @@ class SpooledCourier(_Thread):
                 continue
             if call is None:
                 if self._handed:  # the tracker still owes confirmations: drive its retries
-                    self._call("retry" if hasattr(self.sink, "retry") else "flush")
-                    self._confirm()
+                    self._nudge()
                 continue
             with self._changed:
                 self._calls.popleft()
@@ -232,6 +231,11 @@ class SpooledCourier(_Thread):
             if method == "close":
                 return
 
+    def _nudge(self) -> None:
+        """Drive the sink's retries while its tracker owes confirmations, and take any."""
+        self._call("retry" if hasattr(self.sink, "retry") else "flush")
+        self._confirm()
+
     def _work_waiting(self) -> bool:
         return bool(self._calls) or self._handed_so_far() < self._available
 
@@ -242,8 +246,7 @@ class SpooledCourier(_Thread):
         """Hand the next items (a batch of records, or one alert) to the sink."""
         if len(self._handed) >= self.MAX_UNCONFIRMED:
             time.sleep(self._RETRY_EVERY_S)  # the tracker is behind: let the disk hold them
-            self._call("retry" if hasattr(self.sink, "retry") else "flush")
-            self._confirm()
+            self._nudge()
             return
         items = list(self._reader.items(self._max_batch, through))
         if not items:
