@@ -19,7 +19,12 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
 from gradtrack.disabled import DisabledWatcher
 from gradtrack.distributed import writes_to_sinks
-from gradtrack.errors import GradientAlertError, GradtrackConfigError, GradtrackError
+from gradtrack.errors import (
+    GradientAlertError,
+    GradientWarning,
+    GradtrackConfigError,
+    GradtrackError,
+)
 from gradtrack.histogram import Histogram
 from gradtrack.layers import unwrap_model
 from gradtrack.log import logger, show_in_terminal
@@ -140,6 +145,7 @@ __all__ = [
     "AlertRules",
     "GradientAlertError",
     "GradientSink",
+    "GradientWarning",
     "GradtrackConfig",
     "GradtrackConfigError",
     "GradtrackError",

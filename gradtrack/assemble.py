@@ -6,8 +6,6 @@ training thread, before the optimizer applies the step. One of the two, never bo
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -23,14 +21,13 @@ from gradtrack.courier import DropCount
 from gradtrack.distributed import RankGroup, rank_layer_norms
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.latch import latched_step
+from gradtrack.log import report
 from gradtrack.mesh import RANK_FLAGS, MeshReduction
 from gradtrack.record import StepRecord, summarise_layers
-from gradtrack.redact import redact
 from gradtrack.spike import spike_fields
 from gradtrack.stats import L1, L2, LINF, TENSOR_COLUMNS, HostPart
 from gradtrack.updates import layer_update_norms
 
-logger = logging.getLogger("gradtrack")
 T = TypeVar("T")
 _NONE: dict[str, Any] = {}  # a part that failed adds no field
 
@@ -310,14 +307,3 @@ def _evidence(flags: np.ndarray) -> dict[str, Any]:
         "amp_scale": scale,
         "amp_scale_after": scale_after,
     }
-
-
-def report(message: str) -> None:
-    """Log and warn about a fault in gradtrack itself, never raising from a warning; a sink's
-    error may quote its tracker's URI, so credentials are redacted here, for every caller."""
-    message = redact(message)
-    logger.warning(message)
-    try:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    except Exception:  # warnings turned into errors must not kill the worker thread
-        pass

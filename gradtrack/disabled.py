@@ -11,9 +11,9 @@ import weakref
 from torch import nn
 
 from gradtrack.config import GradtrackConfig
+from gradtrack.lifecycle import Outcome
 from gradtrack.sinks.base import GradientSink
 from gradtrack.watcher import Watcher
-from gradtrack.worker import Outcome
 
 
 class DisabledWatcher(Watcher):

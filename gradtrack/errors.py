@@ -24,3 +24,7 @@ class GradientAlertError(GradtrackError):
     def __init__(self, event: object) -> None:
         super().__init__(getattr(event, "message", str(event)))
         self.event = event
+
+
+class GradientWarning(RuntimeWarning):
+    """The warning an alert whose rule's action is ``"warn"`` gives (filter it by this class)."""

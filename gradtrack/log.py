@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
+
+from gradtrack.redact import redact
 
 logger = logging.getLogger("gradtrack")
 
@@ -39,3 +42,20 @@ def show_in_terminal() -> None:
         logger.addHandler(handler)
     if logger.level == logging.NOTSET and not logging.getLogger().handlers:
         logger.setLevel(logging.INFO)
+
+
+def warn(message: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 2) -> None:
+    """`warnings.warn` that never raises: gradtrack warns from the training thread and its own
+    threads, where a warning filter set to "error" must not stop training or delivery."""
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+    except Exception:
+        pass
+
+
+def report(message: str) -> None:
+    """Log and warn about a fault in gradtrack itself, never raising. A sink's error may
+    quote its tracker's URI, so credentials are redacted here, for every caller."""
+    message = redact(message)
+    logger.warning(message)
+    warn(message, stacklevel=2)

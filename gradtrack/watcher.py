@@ -5,8 +5,6 @@ Built by `gradtrack.watch`; closing it removes every hook it added and flushes t
 
 from __future__ import annotations
 
-import atexit
-import sys
 import time
 import warnings
 import weakref
@@ -20,9 +18,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradtrack import lifecycle
 from gradtrack.accumulation import AccumulationCheck
 from gradtrack.alerts import AlertEngine, AlertEvent
-from gradtrack.assemble import AssembledStep, Assembler, FirstInWindow, PendingStep, report
+from gradtrack.assemble import AssembledStep, Assembler, FirstInWindow, PendingStep
 from gradtrack.collect import Collector, Guard
 from gradtrack.config import GradtrackConfig
 from gradtrack.courier import DropCount
@@ -43,7 +42,8 @@ from gradtrack.layers import (
     saturating_layers,
     unwrap_model,
 )
-from gradtrack.log import logger
+from gradtrack.lifecycle import Outcome, outcome_of
+from gradtrack.log import logger, report, warn
 from gradtrack.mesh import MeshReduction
 from gradtrack.origin import OriginProbe, nonfinite_weight_layers
 from gradtrack.replaced import ReplacementCheck
@@ -52,7 +52,7 @@ from gradtrack.sinks.base import GradientSink
 from gradtrack.skip import ForwardCounter, Journal, OptimizerGate, Skip, SkipPolicy
 from gradtrack.spike import LayerNorms, NormWindow, on_host, spike_fields
 from gradtrack.updates import UpdateProbe
-from gradtrack.worker import Mailbox, Outcome, Worker
+from gradtrack.worker import Mailbox, Worker
 
 AlertCallback = Callable[[AlertEvent], None]
 # Where a step ends: "auto" (see `Watcher`), "manual" (the owner calls `Watcher.end_step`),
@@ -60,7 +60,6 @@ AlertCallback = Callable[[AlertEvent], None]
 StepSource = Literal["auto", "manual"] | Callable[[], bool]
 
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, Watcher] = weakref.WeakKeyDictionary()
-_OPEN: weakref.WeakSet[Watcher] = weakref.WeakSet()
 
 
 class Watcher:
@@ -176,7 +175,7 @@ class Watcher:
             self.worker.request("stop", config.flush_timeout_s)
             raise
         _WATCHED[inner] = self
-        _OPEN.add(self)
+        lifecycle.opened(self)
 
     def _setup_signals(
         self,
@@ -602,10 +601,8 @@ class Watcher:
     def _collect_failed(self, step: int, exc: Exception) -> None:
         self.collect_errors += 1
         if self.collect_errors == 1:
-            warnings.warn(
-                f"gradtrack could not collect step {step}: {exc!r}; training goes on",
-                RuntimeWarning,
-                stacklevel=4,
+            warn(
+                f"gradtrack could not collect step {step}: {exc!r}; training goes on", stacklevel=4
             )
 
     def _evaluate_now(
@@ -650,11 +647,10 @@ class Watcher:
             flags.extend(norms)
             if not order and not self._warned_no_activations:
                 self._warned_no_activations = True
-                warnings.warn(
+                warn(
                     "activations=True saw no activation gradient this step: forward hooks do "
                     "not run inside a graph compiled after gradtrack.watch (compile first, "
                     "then watch), or the step had no backward through the watched modules",
-                    RuntimeWarning,
                     stacklevel=4,
                 )
         if ranks_local is not None:
@@ -680,7 +676,7 @@ class Watcher:
         model = self.model_ref()
         if model is not None and _WATCHED.get(model) is self:
             del _WATCHED[model]
-        _OPEN.discard(self)
+        lifecycle.closed(self)
         timeout_s = self.config.flush_timeout_s
         if not self.worker.request("stop", timeout_s, outcome):
             warnings.warn(
@@ -727,23 +723,3 @@ class Watcher:
 
 def watcher_of(model: nn.Module) -> Watcher | None:
     return _WATCHED.get(unwrap_model(model))
-
-
-def outcome_of(error: type[BaseException] | None) -> Outcome:
-    """How training ended, from the exception that ended it (None: it did not raise).
-
-    >>> outcome_of(None), outcome_of(KeyboardInterrupt), outcome_of(ValueError)
-    ('FINISHED', 'KILLED', 'FAILED')
-    """
-    if error is None or issubclass(error, SystemExit):
-        return "FINISHED"
-    return "KILLED" if issubclass(error, KeyboardInterrupt) else "FAILED"
-
-
-@atexit.register
-def close_open_watchers() -> None:
-    # A script that never closes its watcher still gets its last steps delivered; an
-    # exception the interpreter is exiting with is left in sys.last_type.
-    outcome = outcome_of(getattr(sys, "last_type", None))
-    for watcher in list(_OPEN):
-        watcher.close(outcome)

@@ -10,25 +10,23 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from gradtrack.alerts import AlertEvent
-from gradtrack.assemble import AssembledStep, Assembler, PendingStep, report
+from gradtrack.assemble import AssembledStep, Assembler, PendingStep
 from gradtrack.config import GradtrackConfig
 from gradtrack.courier import Courier, DropCount, SpooledCourier, TrackerSink, yield_cpu_to_training
+from gradtrack.errors import GradientWarning
+from gradtrack.lifecycle import Outcome
+from gradtrack.log import logger, report, warn
 from gradtrack.record import StepRecord
 from gradtrack.sinks.base import GradientSink
 from gradtrack.spool import Spool, default_root
 
-logger = logging.getLogger("gradtrack")
 _LOG_LEVEL = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
-
-
-Outcome = Literal["FINISHED", "FAILED", "KILLED"]
 
 
 @dataclass
@@ -272,10 +270,7 @@ class Worker:
         # Each event reaches the terminal once: as a warning where the rule asks for one, else
         # as a logging record at its severity (a raise is the training thread's exception).
         if action == "warn":
-            try:
-                warnings.warn(event.message, GradientWarning, stacklevel=2)
-            except Exception:  # warnings turned into errors must not kill the worker thread
-                pass
+            warn(event.message, GradientWarning)
         elif action == "log":
             logger.log(_LOG_LEVEL[event.severity], "%s", event.message)
         if self._on_alert is not None:
@@ -354,7 +349,3 @@ def open_spool(sinks: Sequence[GradientSink], config: GradtrackConfig) -> Spool 
             "memory instead (set spool_dir or GRADTRACK_SPOOL_DIR to a writable folder)"
         )
         return None
-
-
-class GradientWarning(RuntimeWarning):
-    """An alert whose rule's action is ``"warn"``."""

@@ -12,9 +12,8 @@ from torch import nn
 
 import gradtrack
 from gradtrack.alerts import AlertEvent
-from gradtrack.errors import GradtrackConfigError
+from gradtrack.errors import GradientWarning, GradtrackConfigError
 from gradtrack.sinks import ConsoleSink, MemorySink
-from gradtrack.worker import GradientWarning
 from tests.conftest import NoUpdate
 
 

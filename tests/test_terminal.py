@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.errors import GradientWarning
 from gradtrack.sinks import ConsoleSink, MemorySink
-from gradtrack.worker import GradientWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 

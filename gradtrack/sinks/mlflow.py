@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from gradtrack import lifecycle
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.histogram_store import HistogramEntry, read_chunks, write_chunk
@@ -557,9 +558,7 @@ class MlflowSink:
 
 
 def _close_watchers_before_mlflow_exits() -> None:
-    from gradtrack.watcher import close_open_watchers
-
-    close_open_watchers()
+    lifecycle.close_open_watchers()
 
 
 def read_histograms(

@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradtrack import lifecycle
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig, redacted_config
 from gradtrack.errors import GradtrackError
@@ -63,9 +64,7 @@ _AWAITING_RUN_END: set[WandbSink] = set()
 def _close_watchers_before_wandb_exits() -> None:
     global _exiting
     _exiting = True
-    from gradtrack.watcher import close_open_watchers
-
-    close_open_watchers()
+    lifecycle.close_open_watchers()
     for sink in list(_AWAITING_RUN_END):
         sink._on_finish()
 
