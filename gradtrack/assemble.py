@@ -15,15 +15,17 @@ import torch
 from torch import Tensor
 
 from gradtrack.alerts import AlertEngine, AlertEvent
-from gradtrack.collect import Collector
+from gradtrack.collect import TensorIndex
 from gradtrack.config import GradtrackConfig
-from gradtrack.courier import DropCount
 from gradtrack.distributed import RankGroup, rank_layer_norms
+from gradtrack.drops import DropCount
+from gradtrack.evidence import HostEvidence
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.latch import latched_step
 from gradtrack.log import report
 from gradtrack.mesh import RANK_FLAGS, MeshReduction
 from gradtrack.record import StepRecord, summarise_layers
+from gradtrack.schedule import FirstInWindow
 from gradtrack.spike import spike_fields
 from gradtrack.stats import L1, L2, LINF, TENSOR_COLUMNS, HostPart
 from gradtrack.updates import layer_update_norms
@@ -61,48 +63,24 @@ class AssembledStep:
     events: list[AlertEvent]
 
 
-class FirstInWindow:
-    """True for the first step it is asked about in each window of ``every`` steps.
-
-    >>> first = FirstInWindow(10)
-    >>> [step for step in (0, 3, 12, 15, 27) if first(step)]
-    [0, 12, 27]
-    """
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-        self._last_window = -1
-
-    def __call__(self, step: int) -> bool:
-        window = step // self.every
-        if window == self._last_window:
-            return False
-        self._last_window = window
-        return True
-
-
 class Assembler:
     """Builds records from host copies and evaluates the rules; every failing part is
     reported once and leaves the rest of the record, and the rules, to run."""
 
     def __init__(
         self,
-        collector: Collector,
+        index: TensorIndex,
         config: GradtrackConfig,
         alert_engine: AlertEngine,
         activation_names: Sequence[str] = (),
         ranks: RankGroup | None = None,
-        latch_size: int = 0,
         drops: DropCount | None = None,
-        spike_size: int = 0,
         mesh: MeshReduction | None = None,
     ) -> None:
         self.alert_engine = alert_engine
         self.drops = drops
-        self.latch_size = latch_size  # trailing step flags: a `BadStepLatch` read
-        self.spike_size = spike_size  # the step flags before it: a `NormWindow` vector
         self.part_errors: dict[str, int] = {}
-        self._collector = collector
+        self._index = index
         self._hist_bins = config.hist_bins
         self._hist_scale = config.hist_scale
         self._activation_names = tuple(activation_names)
@@ -112,15 +90,16 @@ class Assembler:
         self._world_size = 0 if ranks is None or ranks.layout != "replicated" else ranks.world_size
         self._gather_ranks = config.distributed.gather_ranks
         self._mesh = mesh
-        self._layer_position = {name: i for i, name in enumerate(collector.layer_names)}
+        self._layer_position = {name: i for i, name in enumerate(index.layer_names)}
 
     def assemble(self, pending: PendingStep) -> AssembledStep:
         if pending.backward_order is not None:
-            names = self._collector.layer_names
+            names = self._index.layer_names
             self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
         for part in pending.parts:
             part.wait()
-        records = [self._latched_record(pending), self.build_record(pending)]
+        evidence = pending.parts[0].evidence()
+        records = [self._latched_record(pending, evidence), self.build_record(pending, evidence)]
         events: list[AlertEvent] = []
         for i, record in enumerate(records):
             if record is not None:
@@ -134,14 +113,11 @@ class Assembler:
         no_events: list[AlertEvent] = []
         return self._part("alert rules", lambda: self.alert_engine.evaluate(record), no_events)
 
-    def _latched_record(self, pending: PendingStep) -> StepRecord | None:
+    def _latched_record(self, pending: PendingStep, evidence: HostEvidence) -> StepRecord | None:
         """The first non-finite step an accelerator's guard latched since the last logged
         step, as a record of its layer norms (its elements were not counted)."""
-        if not self.latch_size:
-            return None
-        collector = self._collector
-        flags = pending.parts[0].flags()[-self.latch_size :]
-        latched = latched_step(flags, len(collector.params))
+        index = self._index
+        latched = latched_step(evidence.latch, index.n_tensors)
         if latched is None or latched[0] == pending.step:
             return None  # (a logged step that was bad itself is summarised in full)
         step, norms, spike = latched
@@ -150,10 +126,7 @@ class Assembler:
         rows[:, L2] = norms[present]
         rows[:, L1] = rows[:, LINF] = np.nan
         layers, stats, total_norm = summarise_layers(
-            collector.layer_names,
-            collector.tensor_layer[present],
-            collector.tensor_numel[present],
-            rows,
+            index.layer_names, index.tensor_layer[present], index.tensor_numel[present], rows
         )
         return StepRecord(
             step=step, wall_time=pending.wall_time, layers=layers, stats=stats,
@@ -170,21 +143,22 @@ class Assembler:
             return record
         return replace(record, per_layer=True)
 
-    def build_record(self, pending: PendingStep) -> StepRecord:
-        flags = pending.parts[0].flags()
-        flags = flags[: len(flags) - self.latch_size]
-        spike = flags[len(flags) - self.spike_size :] if self.spike_size else flags[:0]
-        flags = flags[: len(flags) - self.spike_size]
-        collector = self._collector
+    def build_record(
+        self, pending: PendingStep, evidence: HostEvidence | None = None
+    ) -> StepRecord:
+        """The step's record from its host copies and ``evidence`` (read from its first part
+        if not given)."""
+        if evidence is None:
+            evidence = pending.parts[0].evidence()
         index = np.concatenate([part.tensor_index for part in pending.parts])
         layers, stats, total_norm = summarise_layers(
-            collector.layer_names,
-            collector.tensor_layer[index],
-            collector.tensor_numel[index],
+            self._index.layer_names,
+            self._index.tensor_layer[index],
+            self._index.tensor_numel[index],
             np.concatenate([part.stats() for part in pending.parts]),
         )
-        n_activations = len(self._activation_names)
-        activation_flags = flags[5 : 5 + n_activations]
+        spike = evidence.spike
+        activations = evidence.activation_norms
         return StepRecord(
             step=pending.step,
             wall_time=pending.wall_time,
@@ -202,15 +176,13 @@ class Assembler:
             **(pending.origin or {}),
             **(spike_fields(spike) if len(spike) else {}),
             **self._part("update signals", lambda: self.update_fields(pending, layers), _NONE),
-            **self._part("step evidence", lambda: _evidence(flags[:5]), _NONE),
+            **self._part("step evidence", lambda: _evidence_fields(evidence), _NONE),
             **self._part(
                 "activation gradients",
-                lambda: self._activations(activation_flags, pending.activation_order or []),
+                lambda: self._activations(activations, pending.activation_order or []),
                 _NONE,
             ),
-            **self._part(
-                "rank norms", lambda: self._ranks(flags[5 + n_activations :], layers), _NONE
-            ),
+            **self._part("rank norms", lambda: self._ranks(evidence, layers), _NONE),
         )
 
     def update_fields(self, pending: PendingStep, layers: tuple[str, ...]) -> dict[str, Any]:
@@ -220,9 +192,9 @@ class Assembler:
         buffer, ready = pending.update
         if ready is not None:
             ready.synchronize()
-        collector = self._collector
+        index = self._index
         params, updates = layer_update_norms(
-            buffer.numpy(), collector.tensor_layer, len(collector.layer_names)
+            buffer.numpy(), index.tensor_layer, len(index.layer_names)
         )
         rows = [self._layer_position[name] for name in layers]
         return {"param_norms": params[rows], "update_norms": updates[rows]}
@@ -237,21 +209,20 @@ class Assembler:
                 report(f"gradtrack could not build the {name} of a step: {exc!r}; the rest goes on")
             return fallback
 
-    def _ranks(self, local_norms: np.ndarray, layers: tuple[str, ...]) -> dict[str, Any]:
+    def _ranks(self, evidence: HostEvidence, layers: tuple[str, ...]) -> dict[str, Any]:
         """Replicated ranks' local (pre-all-reduce) gradients: who went non-finite, and with
         ``gather_ranks`` each rank's layer norms."""
         if self._mesh is not None:
-            return self._mesh_ranks(local_norms)
+            return self._mesh_ranks(evidence.rank_flags)
+        local_norms = evidence.rank_norms
         if not self._world_size or len(local_norms) == 0:
             return {}
-        collector = self._collector
+        index = self._index
         per_tensor = local_norms.reshape(self._world_size, -1)
         bad = ~np.isfinite(per_tensor).all(axis=1)
         fields: dict[str, Any] = {"nonfinite_ranks": tuple(np.flatnonzero(bad).tolist())}
         if self._gather_ranks:
-            per_layer = rank_layer_norms(
-                per_tensor, collector.tensor_layer, len(collector.layer_names)
-            )
+            per_layer = rank_layer_norms(per_tensor, index.tensor_layer, len(index.layer_names))
             position = self._layer_position
             fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
         return fields
@@ -260,7 +231,9 @@ class Assembler:
         """Sharded: the ranks whose own model output, or the gradient reaching it, was
         non-finite — where a NaN arose, before a collective mixed the ranks' gradients."""
         assert self._mesh is not None
-        flags = rank_flags.reshape(self._mesh.ranks.world_size, RANK_FLAGS)
+        if len(rank_flags) == 0:
+            return {}
+        flags = rank_flags.reshape(self._mesh.ranks.world_size, len(RANK_FLAGS))
         bad = np.flatnonzero((flags == 0).any(axis=1)).tolist()
         if not bad:
             return {}
@@ -281,7 +254,7 @@ class Assembler:
         for part in parts:
             if part.sample_counts is None:
                 continue
-            layer_of = self._collector.tensor_layer[part.tensor_index]
+            layer_of = self._index.tensor_layer[part.tensor_index]
             pieces = np.split(part.samples(), np.cumsum(part.sample_counts)[:-1])
             for layer, piece in zip(layer_of.tolist(), pieces):
                 per_layer.setdefault(layer, []).append(piece)
@@ -289,21 +262,19 @@ class Assembler:
         for layer, pieces in sorted(per_layer.items()):
             histogram = bin_samples(np.concatenate(pieces), self._hist_bins, self._hist_scale)
             if histogram is not None:
-                histograms[self._collector.layer_names[layer]] = histogram
+                histograms[self._index.layer_names[layer]] = histogram
         return histograms
 
 
-def _evidence(flags: np.ndarray) -> dict[str, Any]:
-    """StepRecord fields from the step flags (see `Watcher._evidence`)."""
-    if len(flags) == 0:
-        return {}
-    output, output_grad, found_inf, scale, scale_after = (
-        None if np.isnan(v) else float(v) for v in flags
-    )
+def _evidence_fields(evidence: HostEvidence) -> dict[str, Any]:
+    """StepRecord fields from the step's scalar evidence (None where unknown)."""
+    output = evidence.scalar("output_finite")
+    output_grad = evidence.scalar("output_grad_finite")
+    found_inf = evidence.scalar("amp_found_inf")
     return {
         "output_finite": None if output is None else bool(output),
         "output_grad_finite": None if output_grad is None else bool(output_grad),
         "amp_skipped": None if found_inf is None else found_inf > 0,
-        "amp_scale": scale,
-        "amp_scale_after": scale_after,
+        "amp_scale": evidence.scalar("amp_scale"),
+        "amp_scale_after": evidence.scalar("amp_scale_after"),
     }

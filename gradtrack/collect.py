@@ -8,7 +8,7 @@ reads a value back, so on an accelerator neither waits for the device.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradtrack.distributed import is_dtensor, local_tensor
+from gradtrack.distributed import RankGroup, is_dtensor, local_tensor
+from gradtrack.evidence import EvidenceLayout, StepEvidence
 from gradtrack.histogram import split_in_proportion
 from gradtrack.layers import Layer
-from gradtrack.mesh import ShardStep, check_placements
+from gradtrack.mesh import MeshReduction, ShardStep, check_placements
 from gradtrack.stats import (
     HostPart,
     abs_norms,
@@ -42,6 +43,21 @@ class DeviceGrads:
     index: np.ndarray  # for each row: the tensor's index in `Collector.params`
     groups: list[tuple[slice, list[Tensor]]]  # per dtype: its rows and its gradients
     l2: Tensor  # float64 [rows], on the device
+
+
+@dataclass(frozen=True)
+class TensorIndex:
+    """The watched tensors, flattened in layer order: each one's layer and element count
+    (this rank's shard of a DTensor summarised on its own). Fixed once watching starts; the
+    worker reads it while the training thread goes on."""
+
+    layer_names: tuple[str, ...]
+    tensor_layer: np.ndarray  # int64 [tensors]: the layer of each tensor
+    tensor_numel: np.ndarray  # int64 [tensors]
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.tensor_layer)
 
 
 class GroupPlan(NamedTuple):
@@ -74,16 +90,37 @@ class Guard:
 
 
 class Collector:
-    """Flattened view of the watched layers' parameters, and the step's batched reduction."""
+    """Flattened view of the watched layers' parameters, and the step's batched reduction.
 
-    def __init__(self, layers: Sequence[Layer], sample_size: int, seed: int) -> None:
-        self.layer_names = tuple(layer.name for layer in layers)
+    With ``ranks`` of a sharded (DTensor) job, each rank reduces its local shards and one
+    all-gather per logged step combines them (`gradtrack.mesh.MeshReduction`, built here:
+    one collective to find each piece's owner); DTensor gradients without ``ranks`` are
+    summarised as this rank's shards.
+    """
+
+    def __init__(
+        self, layers: Sequence[Layer], sample_size: int, seed: int, ranks: RankGroup | None = None
+    ) -> None:
         self.params = [p for layer in layers for p in layer.params]
-        self.tensor_layer = np.array(
+        tensor_layer = np.array(
             [i for i, layer in enumerate(layers) for _ in layer.params], dtype=np.int64
         )
-        self.tensor_numel = np.array([p.numel() for p in self.params], dtype=np.int64)
-        self.sample_counts = _split_sample_budget(layers, sample_size)
+        self.local_shards = any(is_dtensor(p) for p in self.params)
+        sample_counts = _split_sample_budget(layers, sample_size)
+        numel = [p.numel() for p in self.params]
+        self.mesh: MeshReduction | None = None
+        if ranks is not None and ranks.layout == "sharded":
+            names = [layers[i].name for i in tensor_layer]
+            self.mesh = MeshReduction.build(ranks, list(zip(names, self.params)), sample_counts)
+            sample_counts = self.mesh.local_sample_counts
+        elif self.local_shards:  # each rank on its own: statistics of its shards
+            numel = [local_tensor(p).numel() for p in self.params]
+        self.sample_counts = sample_counts
+        self.index = TensorIndex(
+            tuple(layer.name for layer in layers), tensor_layer, np.array(numel, dtype=np.int64)
+        )
+        self.layer_names = self.index.layer_names
+        self.tensor_layer = self.index.tensor_layer
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
@@ -95,10 +132,6 @@ class Collector:
         # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
         # device without a sync: what accelerators need. None: on every device but the CPU.
         self.foreach_only: bool | None = None
-        # Sharded (DTensor) gradients: reduce the local shards, then combine them across
-        # ranks with ``reduce_shards`` (`gradtrack.mesh.MeshReduction`).
-        self.local_shards = False
-        self.reduce_shards: Callable[[ShardStep], ShardStep] | None = None
 
     def guard(self, exact: bool = True) -> Guard:
         """Every present gradient's L2 norm, grouped per device and dtype.
@@ -137,7 +170,7 @@ class Collector:
         for i, (param, grad) in enumerate(zip(self.params, grads)):
             if grad is None or not param.requires_grad:
                 continue
-            if self.reduce_shards is not None and is_dtensor(grad):
+            if self.mesh is not None and is_dtensor(grad):
                 check_placements(grad, self.layer_names[self.tensor_layer[i]])
             usable = self._usable(grad)
             simple = usable is grad
@@ -183,24 +216,28 @@ class Collector:
         self,
         guard: Guard,
         with_samples: bool,
-        flags: Sequence[Tensor | None] = (),
+        evidence: StepEvidence | None = None,
         full: bool = True,
     ) -> list[HostPart]:
         """The step's statistics from its ``guard``; one `HostPart` per device (usually one).
 
-        ``flags``, step evidence (tensors read as float64, None for unknown), ride along in
-        the first part: in its host copy on an accelerator, read directly on the CPU.
+        The step's ``evidence`` rides along in the first part: in its host copy on an
+        accelerator, read directly on the CPU.
         Without ``full`` only the guard's L2 norms and the NaN/Inf counts are taken (L1 and
         max NaN): L1 and max cost two more passes over every gradient.
         """
         with torch.no_grad():
             return [
-                self._reduce_device(part, with_samples, flags if i == 0 else (), full)
+                self._reduce_device(part, with_samples, evidence if i == 0 else None, full)
                 for i, part in enumerate(guard.devices)
             ]
 
     def _reduce_device(
-        self, part: DeviceGrads, with_samples: bool, flags: Sequence[Tensor | None], full: bool
+        self,
+        part: DeviceGrads,
+        with_samples: bool,
+        evidence: StepEvidence | None,
+        full: bool,
     ) -> HostPart:
         device, foreach_only = part.device, part.foreach_only
         if full:
@@ -227,27 +264,28 @@ class Collector:
             if with_samples
             else None
         )
-        if self.reduce_shards is not None:
-            combined = self.reduce_shards(
-                ShardStep(rows, tensor_index, samples, sample_counts, flags)
+        if self.mesh is not None:
+            combined = self.mesh(
+                ShardStep(rows, tensor_index, samples, sample_counts, evidence or StepEvidence())
             )
             rows, samples, sample_counts = combined.rows, combined.samples, combined.sample_counts
-            flags = combined.flags
+            evidence = combined.evidence if evidence is not None else None
         self.host_transfers += 1
+        layout = EvidenceLayout() if evidence is None else evidence.layout()
         if device.type == "cpu":  # nothing to copy: the worker reads these tensors
             return HostPart(
                 tensor_index,
                 sample_counts,
                 buffer=rows,
-                cpu_flags=host_flags(flags),
+                evidence_layout=layout,
+                cpu_evidence=None if evidence is None else evidence.on_host(),
                 cpu_samples=(torch.cat(samples) if len(samples) > 1 else samples[0])
                 if samples
                 else None,
             )
         float64 = [rows.reshape(-1)]
-        device_flags = device_flags_of(flags, device)
-        if device_flags is not None:
-            float64.append(device_flags)
+        if evidence is not None:
+            float64.append(evidence.on_device(device))
         pieces = [torch.cat(float64).view(torch.float32), *samples]
         buffer, ready = copy_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
         return HostPart(
@@ -255,7 +293,7 @@ class Collector:
             sample_counts,
             buffer=buffer,
             ready=ready,
-            n_flags=0 if device_flags is None else device_flags.numel(),
+            evidence_layout=layout,
         )
 
     def _sample_bounds(
@@ -283,35 +321,6 @@ class Collector:
         if key not in self._placeholders:
             self._placeholders[key] = torch.zeros(1, device=grad.device, dtype=grad.dtype)
         return self._placeholders[key]
-
-
-def device_flags_of(flags: Sequence[Tensor | None], device: torch.device) -> Tensor | None:
-    """The flags as one float64 tensor on ``device`` (NaN where unknown); None if all unknown."""
-    if all(flag is None for flag in flags):
-        return None
-    nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
-    return torch.cat(
-        [
-            nan if flag is None else flag.to(device, torch.float64, non_blocking=True).reshape(-1)
-            for flag in flags
-        ]
-    )
-
-
-def host_flags(flags: Sequence[Tensor | None]) -> np.ndarray | None:
-    """CPU flags read directly into float64 (NaN where unknown); None if all unknown.
-
-    >>> host_flags([torch.tensor(True), None, torch.tensor([2.0, 3.0])])
-    array([ 1., nan,  2.,  3.])
-    """
-    if all(flag is None for flag in flags):
-        return None
-    return np.concatenate(
-        [
-            np.full(1, np.nan) if flag is None else flag.numpy().reshape(-1).astype(np.float64)
-            for flag in flags
-        ]
-    )
 
 
 def _numel_of(grads: Sequence[Tensor]) -> np.ndarray:

@@ -16,7 +16,7 @@ parallel leaves modules it does not parallelise as plain parameters): rank 0's c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from gradtrack.distributed import RankGroup, is_dtensor, local_tensor
 from gradtrack.errors import GradtrackError
+from gradtrack.evidence import StepEvidence
 from gradtrack.histogram import split_in_proportion
 from gradtrack.stats import L2, LINF, TENSOR_COLUMNS, DeviceIndex
 
@@ -31,20 +32,20 @@ SUPPORTED = "Shard, _StridedShard (FSDP2 over tensor parallel) and Replicate"
 # Told apart by name, so that importing gradtrack never imports torch.distributed.tensor.
 _SHARDED = ("Shard", "_StridedShard")
 # Per rank, the step evidence that travels with its rows: output finite, output grad finite.
-RANK_FLAGS = 2
+RANK_FLAGS = ("output_finite", "output_grad_finite")
 
 
 @dataclass
 class ShardStep:
     """One device's step as `MeshReduction` combines it across ranks: the [rows, 5]
     statistics of the tensors in ``tensor_index`` (see `stats.stat_rows`), their histogram
-    samples and sample counts, and the step flags."""
+    samples and sample counts, and the step's evidence."""
 
     rows: Tensor
     tensor_index: np.ndarray
     samples: list[Tensor]
     sample_counts: np.ndarray | None
-    flags: Sequence[Tensor | None]
+    evidence: StepEvidence
 
 
 def check_placements(tensor: Tensor, layer: str, what: str = "gradient") -> None:
@@ -150,8 +151,9 @@ class MeshReduction:
         on_device = self._index(index, device)
         full = rows.new_zeros(n, TENSOR_COLUMNS)  # (a tensor without a gradient: zeros)
         full[on_device] = rows
-        flags = rows.new_full((RANK_FLAGS,), float("nan"))
-        for i, flag in enumerate(local.flags[:RANK_FLAGS]):
+        flags = rows.new_full((len(RANK_FLAGS),), float("nan"))
+        for i, name in enumerate(RANK_FLAGS):
+            flag = getattr(local.evidence, name)
             if flag is not None:
                 flags[i] = flag.to(device, torch.float64).reshape(())
         samples = rows.new_full((0,), float("nan"))  # only on histogram steps (every rank's)
@@ -175,17 +177,17 @@ class MeshReduction:
         combined = squares.sum(dim=0)
         combined[:, L2] = combined[:, L2].sqrt()
         combined[:, LINF] = owned[:, :, LINF].amax(dim=0)  # NaN anywhere stays NaN
-        rank_flags = gathered[:, n * width : n * width + RANK_FLAGS].reshape(-1)
+        n_flags = len(RANK_FLAGS)
+        rank_flags = gathered[:, n * width : n * width + n_flags].reshape(-1)
         samples, sample_counts = local.samples, local.sample_counts
         if sample_counts is not None:
             _, take = self._sample_slots(index)
-            drawn = gathered[:, n * width + RANK_FLAGS :].reshape(-1)
+            drawn = gathered[:, n * width + n_flags :].reshape(-1)
             samples = [drawn[self._index(take, rows.device)].float()]
             sample_counts = self.shares.sum(axis=0)[index]
         on_device = self._index(index, rows.device)
-        return ShardStep(
-            combined[on_device], index, samples, sample_counts, [*local.flags, rank_flags]
-        )
+        evidence = replace(local.evidence, rank_flags=rank_flags)
+        return ShardStep(combined[on_device], index, samples, sample_counts, evidence)
 
     def _sample_slots(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where the samples of the tensors in ``index`` travel: this rank's, in ``index``

@@ -15,6 +15,26 @@ from gradtrack.config import GradtrackConfig
 DEFAULT_DENSITY = 32
 
 
+class FirstInWindow:
+    """True for the first step it is asked about in each window of ``every`` steps.
+
+    >>> first = FirstInWindow(10)
+    >>> [step for step in (0, 3, 12, 15, 27) if first(step)]
+    [0, 12, 27]
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._last_window = -1
+
+    def __call__(self, step: int) -> bool:
+        window = step // self.every
+        if window == self._last_window:
+            return False
+        self._last_window = window
+        return True
+
+
 class DenseEarly:
     """True for the per-layer steps: every logged step at first, then ever sparser, until
     one per ``every`` steps.
@@ -82,6 +102,32 @@ def layer_schedule(config: GradtrackConfig) -> Callable[[int], bool]:
     """
     if config.layer_schedule == "dense_early":
         return DenseEarly(config.layer_every)
-    from gradtrack.assemble import FirstInWindow  # the fixed window the guard also uses
-
     return FirstInWindow(config.layer_every)
+
+
+class StepSchedule:
+    """What each step writes: summarised (``log_every``), sampled for histograms
+    (``hist_every``), with per-layer metrics (`layer_schedule`), and which bad or spiking
+    step of each ``layer_every`` window is written with its per-layer metrics anyway.
+
+    >>> schedule = StepSchedule(GradtrackConfig(log_every=5, hist_every=10))
+    >>> [schedule.due(step) for step in (0, 5, 7)]
+    [(True, True), (True, False), (False, False)]
+    """
+
+    def __init__(self, config: GradtrackConfig) -> None:
+        self.log_every = config.log_every
+        self.hist_every = config.hist_every
+        self.per_layer = layer_schedule(config)
+        # The first non-finite step of each window, logged or not (the guard's find); and
+        # the first spiking one, apart: a spike must not take a later NaN's place.
+        self.first_bad = FirstInWindow(config.layer_every)
+        self.first_spike = FirstInWindow(config.layer_every)
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """(summarised, sampled) for ``step``."""
+        sampled = self.hist_every is not None and step % self.hist_every == 0
+        return step % self.log_every == 0, sampled
+
+    def any_due(self, step: int) -> bool:
+        return self.due(step) != (False, False)

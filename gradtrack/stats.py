@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors
+
+from gradtrack.evidence import EvidenceLayout, HostEvidence
 
 # Columns of the per-tensor array computed on the device.
 L2, L1, LINF, NAN, INF = range(5)
@@ -56,18 +58,19 @@ class HostPart:
     """What one device hands to the worker for one step.
 
     From an accelerator, ``buffer`` is the step's one host copy: the [rows, 5] float64
-    statistics and ``n_flags`` float64 step flags reinterpreted as float32, then the float32
-    gradient samples; ``ready`` is set once the copy has completed. On the CPU nothing needs
-    copying: ``buffer`` is the float64 rows themselves, ``cpu_flags`` the flags and
-    ``cpu_samples`` the samples.
+    statistics and the packed step evidence (float64, laid out as ``evidence_layout`` says)
+    reinterpreted as float32, then the float32 gradient samples; ``ready`` is set once the
+    copy has completed. On the CPU nothing needs copying: ``buffer`` is the float64 rows
+    themselves, ``cpu_evidence`` the evidence and ``cpu_samples`` the samples. Only a
+    device's first part carries the step's evidence.
     """
 
     tensor_index: np.ndarray
     sample_counts: np.ndarray | None
     buffer: Tensor
     ready: torch.cuda.Event | None = None
-    n_flags: int = 0
-    cpu_flags: np.ndarray | None = None
+    evidence_layout: EvidenceLayout = field(default_factory=EvidenceLayout)
+    cpu_evidence: np.ndarray | None = None
     cpu_samples: Tensor | None = None
 
     def wait(self) -> None:
@@ -80,8 +83,8 @@ class HostPart:
 
     @property
     def _float64_words(self) -> int:
-        """float32 words the float64 rows and flags take at the head of a copied ``buffer``."""
-        return (len(self.tensor_index) * TENSOR_COLUMNS + self.n_flags) * 2
+        """float32 words the float64 rows and evidence take at the head of a copied ``buffer``."""
+        return (len(self.tensor_index) * TENSOR_COLUMNS + self.evidence_layout.size) * 2
 
     def _float64(self) -> np.ndarray:
         return self.buffer.numpy()[: self._float64_words].view(np.float64)
@@ -92,10 +95,13 @@ class HostPart:
             return self.buffer.numpy()
         return self._float64()[: rows * TENSOR_COLUMNS].reshape(rows, TENSOR_COLUMNS)
 
-    def flags(self) -> np.ndarray:
+    def evidence(self) -> HostEvidence:
+        """The step's evidence, by name (all empty in a part that carries none)."""
         if not self._copied:
-            return self.cpu_flags if self.cpu_flags is not None else np.zeros(0)
-        return self._float64()[len(self.tensor_index) * TENSOR_COLUMNS :]
+            values = self.cpu_evidence if self.cpu_evidence is not None else np.zeros(0)
+        else:
+            values = self._float64()[len(self.tensor_index) * TENSOR_COLUMNS :]
+        return self.evidence_layout.read(values)
 
     def samples(self) -> np.ndarray:
         if not self._copied:

@@ -18,7 +18,8 @@ from typing import Literal
 from gradtrack.alerts import AlertEvent
 from gradtrack.assemble import AssembledStep, Assembler, PendingStep
 from gradtrack.config import GradtrackConfig
-from gradtrack.courier import Courier, DropCount, SpooledCourier, TrackerSink, yield_cpu_to_training
+from gradtrack.courier import Courier, SpooledCourier, TrackerSink, yield_cpu_to_training
+from gradtrack.drops import DropCount
 from gradtrack.errors import GradientWarning
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import logger, report, warn

@@ -90,7 +90,7 @@ def test_a_large_output_gradient_is_not_held_and_the_event_says_so(
             model[3].value = float("nan") if step == 1 else None
             optimizer.zero_grad()
             model(torch.randn(32, 8)).pow(2).mean().backward()
-            probe = watcher._origin_probe
+            probe = watcher.probes.origin
             assert probe is not None and probe._output_grads == []  # nothing held
             optimizer.step()
     event = only(sink.events, "nonfinite")[0]

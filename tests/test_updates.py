@@ -102,7 +102,7 @@ def test_unlogged_steps_take_no_snapshot() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     watcher = gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer, update_signals=True)
     taken = []
-    probe = watcher._updates
+    probe = watcher.stepper.signals.updates
     assert probe is not None
     original = probe.before
     probe.before = lambda: (taken.append(watcher.step - 1), original())  # type: ignore[method-assign,func-returns-value]

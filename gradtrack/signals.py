@@ -1,0 +1,66 @@
+"""The signals beyond the gradients' statistics that a watch may ask for (docs/signals.md):
+the every-step spike statistics, the skip rules and the update signals, checked and built
+at watch time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradtrack.alerts import AlertEngine
+from gradtrack.collect import Collector
+from gradtrack.config import GradtrackConfig
+from gradtrack.errors import GradtrackError
+from gradtrack.skip import Journal, SkipPolicy
+from gradtrack.spike import LayerNorms, NormWindow
+from gradtrack.updates import UpdateProbe
+
+
+@dataclass
+class Signals:
+    spikes: NormWindow | None = None  # every step's spike statistics
+    skips: SkipPolicy | None = None  # the rules whose action is "skip"
+    journal: Journal | None = None  # the skipped steps, on disk
+    layer_norms: LayerNorms | None = None  # every step's layer norms (for the two above)
+    updates: UpdateProbe | None = None  # each logged step's update and weight norms
+
+
+def build_signals(
+    config: GradtrackConfig,
+    engine: AlertEngine,
+    collector: Collector,
+    own_steps: bool,
+    guard_every_step: bool,
+) -> Signals:
+    """The signals ``config`` asks for. ``own_steps``: gradtrack ends each step at the
+    optimizer's step itself (an optimizer, no scaler, automatic steps), which skipping and
+    update signals need; ``guard_every_step``: the guard reads every step (spikes need it)."""
+    rules = config.alerts
+    layer_names = collector.layer_names
+    skip_rules = rules.skip_rules()
+    if (skip_rules or config.update_signals.enabled) and not own_steps:
+        feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
+        raise GradtrackError(
+            f"{feature} needs optimizer= (without scaler= or steps=): gradtrack must be "
+            "at the optimizer's step, before and after it runs. (A GradScaler already "
+            "skips non-finite steps by itself.)"
+        )
+    if config.update_signals.enabled and collector.local_shards:
+        raise GradtrackError("update_signals does not support sharded (FSDP2) parameters yet")
+    signals = Signals()
+    columns: list[str | None] = [None, *layer_names]
+    spike_on = [engine.rule("spike", layer).enabled for layer in columns]
+    if any(spike_on) and guard_every_step:
+        signals.spikes = NormWindow(
+            len(layer_names), rules.spike.window, rules.spike.warmup,
+            z=[engine.rule("spike", layer).z for layer in columns],
+            ratio=[engine.rule("spike", layer).ratio for layer in columns],
+            enabled=spike_on,
+        )  # fmt: skip
+    if skip_rules:
+        signals.skips = SkipPolicy(engine, layer_names, config.skip.max_consecutive)
+        signals.journal = Journal(config.skip.journal)
+    if signals.spikes is not None or signals.skips is not None:
+        signals.layer_norms = LayerNorms(collector.tensor_layer, len(layer_names))
+    if config.update_signals.enabled:
+        signals.updates = UpdateProbe(collector.params)
+    return signals
