@@ -270,6 +270,19 @@ class Collector:
             )
             rows, samples, sample_counts = combined.rows, combined.samples, combined.sample_counts
             evidence = combined.evidence if evidence is not None else None
+        return self._hand_off(device, rows, tensor_index, samples, sample_counts, evidence)
+
+    def _hand_off(
+        self,
+        device: torch.device,
+        rows: Tensor,
+        tensor_index: np.ndarray,
+        samples: list[Tensor],
+        sample_counts: np.ndarray | None,
+        evidence: StepEvidence | None,
+    ) -> HostPart:
+        """The device's `HostPart`: its one host copy launched, or on the CPU the tensors
+        themselves."""
         self.host_transfers += 1
         layout = EvidenceLayout() if evidence is None else evidence.layout()
         if device.type == "cpu":  # nothing to copy: the worker reads these tensors

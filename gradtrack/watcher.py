@@ -38,6 +38,7 @@ from gradtrack.probes import Probes, StepSource
 from gradtrack.schedule import StepSchedule
 from gradtrack.signals import build_signals
 from gradtrack.sinks.base import GradientSink
+from gradtrack.sinks.build import finish_in_caller_thread
 from gradtrack.stepper import Stepper
 from gradtrack.verdict import StepJudge
 from gradtrack.worker import Mailbox, Worker
@@ -66,23 +67,14 @@ class Watcher:
         steps: StepSource = "auto",
     ) -> None:
         inner = unwrap_model(model)
-        if inner in _WATCHED:
-            raise GradtrackError(
-                f"this {type(inner).__name__} is already watched; call gradtrack.unwatch(model) "
-                "or close the first watcher before watching it again"
-            )
+        _refuse_watched(inner)
         self.model_ref = weakref.ref(inner)
         self.config = config
         self.layers = discover_layers(inner, config)
         params = [p for layer in self.layers for p in layer.params]
         self.ranks = rank_group(model, params) if config.distributed.enabled else None
-        ends_steps = optimizer is not None or scaler is not None or steps == "manual"
-        if any(is_dtensor(p) for p in params) and not ends_steps:
-            raise GradtrackError(
-                "watching a sharded (FSDP2) model needs optimizer= (or scaler=, or "
-                "steps='manual'): its gradients are complete only once backward has "
-                "reduce-scattered them"
-            )
+        if any(is_dtensor(p) for p in params) and optimizer is scaler is None:
+            _refuse_sharded_backwards(steps)
         self.collector = Collector(self.layers, config.hist_sample_size, config.seed, self.ranks)
         self.drops = DropCount(report)
         self.mailbox = Mailbox(
@@ -102,10 +94,34 @@ class Watcher:
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
         self._steps = steps
+        self._assemble(sinks, on_alert, own_steps=optimizer is not None and scaler is None)
+        try:
+            self.probes.attach_step_source(
+                model, params, optimizer, scaler, steps, self.judge.signals.skips is not None, self
+            )
+            if self.judge.signals.updates is not None and optimizer is not None:
+                hook = optimizer.register_step_post_hook(self._after_optimizer_step)
+                self.probes.handles.append(hook)
+            outputs = [module for _, module in watched_outputs]
+            self.probes.attach_evidence(
+                model, self.collector, self.ranks, outputs, self._next_step_is_due
+            )
+        except BaseException:  # leave the model, the scaler and the threads as they were
+            self.probes.remove()
+            self.worker.request("stop", config.flush_timeout_s)
+            raise
+        _WATCHED[inner] = self
+        lifecycle.opened(self)
+
+    def _assemble(
+        self, sinks: Sequence[GradientSink], on_alert: AlertCallback | None, own_steps: bool
+    ) -> None:
+        """The parts a step passes through, from its verdict to the sinks."""
+        config = self.config
         # The guard's verdict is read at every step unless each rank sees only its shards
         # (FSDP2): unlogged steps would need a collective, so the logged steps judge.
         every_step = self.ranks is None or self.ranks.layout == "replicated"
-        own_steps = optimizer is not None and scaler is None and steps == "auto"
+        own_steps = own_steps and self._steps == "auto"
         signals = build_signals(config, self.alert_engine, self.collector, own_steps, every_step)
         judge_now = "raise" in config.alerts.actions() or signals.skips is not None
         self.judge = StepJudge(self.collector, signals, judge_now, every_step, self._collect_failed)
@@ -122,23 +138,6 @@ class Watcher:
             self.collector, self.schedule, self.judge, signals, self.probes, self.assembler,
             self.mailbox, self.alert_engine, self.ranks, self._collect_failed,
         )  # fmt: skip
-        try:
-            self.probes.attach_step_source(
-                model, params, optimizer, scaler, steps, signals.skips is not None, self
-            )
-            if signals.updates is not None and optimizer is not None:
-                hook = optimizer.register_step_post_hook(self._after_optimizer_step)
-                self.probes.handles.append(hook)
-            outputs = [module for _, module in watched_outputs]
-            self.probes.attach_evidence(
-                model, self.collector, self.ranks, outputs, self._next_step_is_due
-            )
-        except BaseException:  # leave the model, the scaler and the threads as they were
-            self.probes.remove()
-            self.worker.request("stop", config.flush_timeout_s)
-            raise
-        _WATCHED[inner] = self
-        lifecycle.opened(self)
 
     # -- public state -------------------------------------------------------------------
     @property
@@ -267,20 +266,7 @@ class Watcher:
         self._after_sinks_closed()
 
     def _after_sinks_closed(self) -> None:
-        """In the caller's thread (MLflow's active run is per thread): a run the MLflow sink
-        shared with the user's own ``mlflow.*`` calls is ended there too; then one line says
-        how to draw the run's report."""
-        commands = []
-        for sink in self.sinks:
-            try:
-                end_shared_run = getattr(sink, "end_shared_run", None)
-                if end_shared_run is not None:
-                    end_shared_run()
-                command = getattr(sink, "report_command", lambda: None)()
-                if command:
-                    commands.append(command)
-            except Exception as exc:  # watching must never crash training
-                report(f"gradtrack could not finish with {type(sink).__name__}: {exc!r}")
+        commands = finish_in_caller_thread(self.sinks)
         report_line = f"; its report: {' ; '.join(commands)}" if commands else ""
         logger.info("closed after %d steps%s", self.step, report_line)
 
@@ -298,6 +284,23 @@ class Watcher:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"step {self.step}"
         return f"<gradtrack.Watcher {len(self.layers)} layers, {state}>"
+
+
+def _refuse_watched(model: nn.Module) -> None:
+    if model in _WATCHED:
+        raise GradtrackError(
+            f"this {type(model).__name__} is already watched; call gradtrack.unwatch(model) "
+            "or close the first watcher before watching it again"
+        )
+
+
+def _refuse_sharded_backwards(steps: StepSource) -> None:
+    if steps != "manual":
+        raise GradtrackError(
+            "watching a sharded (FSDP2) model needs optimizer= (or scaler=, or "
+            "steps='manual'): its gradients are complete only once backward has "
+            "reduce-scattered them"
+        )
 
 
 def watcher_of(model: nn.Module) -> Watcher | None:

@@ -8,9 +8,11 @@ from typing import Any
 import torch
 
 from gradtrack.alerts import AlertEvent
+from gradtrack.api import open_watcher
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.probes import StepSource
 from gradtrack.sinks.base import GradientSink
-from gradtrack.watcher import StepSource, Watcher
+from gradtrack.watcher import Watcher
 
 Backend = str | GradientSink | Sequence[str | GradientSink]
 
@@ -44,10 +46,8 @@ class CallbackOptions:
         """Watch ``model`` with ``backend``, or else ``default_backend()`` (asked only where
         this process writes). Steps count from the trainer's own optimizer-step count, so a
         resumed run continues its step axis."""
-        from gradtrack import _open_watcher
-
         self._close()
-        self.watcher = _open_watcher(
+        self.watcher = open_watcher(
             model, lambda: self.backend or default_backend(), self.config,
             scaler=scaler, on_alert=self.on_alert, steps=steps,
         )  # fmt: skip

@@ -1,0 +1,101 @@
+"""`watch` and `unwatch`: the one-line entry points, and opening a watcher on chosen sinks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.disabled import DisabledWatcher
+from gradtrack.distributed import writes_to_sinks
+from gradtrack.errors import GradtrackError
+from gradtrack.layers import unwrap_model
+from gradtrack.log import logger, show_in_terminal
+from gradtrack.probes import StepSource
+from gradtrack.sinks.build import Backend, build_sinks
+from gradtrack.watcher import Watcher, watcher_of
+
+
+def watch(
+    model: torch.nn.Module,
+    backend: Backend | Sequence[Backend] = "console",
+    optimizer: torch.optim.Optimizer | None = None,
+    config: ConfigSource = None,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    on_alert: Callable[[AlertEvent], None] | None = None,
+    steps: StepSource = "auto",
+    **overrides: Any,
+) -> Watcher:
+    """Watch ``model``'s gradients and stream per-layer summaries to ``backend``.
+
+    ``backend`` is a registered name (``"console"``, ``"memory"`` …), a `GradientSink`, or a
+    list of either. With ``optimizer`` there is one step per ``optimizer.step()`` (right for
+    gradient accumulation), else one per backward. ``config`` is a `GradtrackConfig`, a dict or
+    a config file; keyword ``overrides`` (``log_every=1``) win over everything else.
+    With a ``scaler`` (`torch.amp.GradScaler`) a step is one ``scaler.update()``: gradients
+    are reported unscaled and overflow-skipped steps become ``amp`` events. ``on_alert`` is
+    called with every `AlertEvent`, from gradtrack's worker thread. ``steps="manual"`` leaves
+    ending each step to you (`Watcher.end_step`, once gradients are complete); a callable makes
+    only the backward passes for which it returns True end a step.
+
+    >>> model = torch.nn.Linear(3, 1)
+    >>> watcher = watch(model, backend="memory", log_every=50)
+    >>> watcher.close()
+    """
+    resolved = load_config(config, overrides)
+    if not isinstance(model, torch.nn.Module):
+        raise GradtrackError(f"gradtrack.watch needs a torch.nn.Module, not {type(model).__name__}")
+    if isinstance(backend, torch.optim.Optimizer):
+        raise GradtrackError(
+            f"the second argument of gradtrack.watch is the backend, and got a "
+            f"{type(backend).__name__}: did you mean gradtrack.watch(model, optimizer=optimizer)?"
+        )
+    return open_watcher(
+        model, lambda: backend, resolved,
+        optimizer=optimizer, scaler=scaler, on_alert=on_alert, steps=steps,
+    )  # fmt: skip
+
+
+def open_watcher(
+    model: torch.nn.Module,
+    backend: Callable[[], Backend | Sequence[Backend]],
+    config: GradtrackConfig,
+    **options: Any,
+) -> Watcher:
+    """Sinks from ``backend()`` where this process writes (see `writes_to_sinks`), then the
+    `Watcher`; if that fails, the sinks it would have used are closed. Switched off
+    (``enabled=False``), a `DisabledWatcher`: no sink is made, nothing touches the model."""
+    show_in_terminal()
+    if not config.enabled:
+        logger.info("off (enabled=False or GRADTRACK_DISABLED=1): nothing is watched")
+        return DisabledWatcher(model, config)
+    sinks = build_sinks(backend(), config) if writes_to_sinks(config) else []
+    try:
+        watcher = Watcher(model, sinks, config, **options)
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    if sinks:
+        logger.info(
+            "watching %d layers of %s, every %d steps, into %s",
+            len(watcher.layer_names), type(unwrap_model(model)).__name__, config.log_every,
+            ", ".join(type(sink).__name__ for sink in sinks),
+        )  # fmt: skip
+    return watcher
+
+
+def unwatch(model: torch.nn.Module) -> None:
+    """Stop watching ``model``: remove gradtrack's hooks and flush its sinks (no-op if unwatched).
+
+    >>> model = torch.nn.Linear(3, 1)
+    >>> _ = watch(model, backend="memory")
+    >>> unwatch(model); unwatch(model)
+    """
+    watcher = watcher_of(model)
+    if watcher is not None:
+        watcher.close()

@@ -1,0 +1,50 @@
+"""Sinks from what ``backend=`` names: registered names, `GradientSink` objects, or a list."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gradtrack.config import GradtrackConfig
+from gradtrack.errors import GradtrackError
+from gradtrack.log import report
+from gradtrack.sinks.base import GradientSink, create_sink
+
+Backend = str | GradientSink
+
+
+def build_sinks(
+    backend: Backend | Sequence[Backend], config: GradtrackConfig
+) -> list[GradientSink]:
+    items = [backend] if isinstance(backend, str) or not isinstance(backend, Sequence) else backend
+    if not items:
+        raise GradtrackError("backend is empty: give a backend name, a GradientSink, or a list")
+    sinks: list[GradientSink] = []
+    for item in items:
+        if isinstance(item, str):
+            sinks.append(create_sink(item, config))
+        elif isinstance(item, GradientSink):
+            sinks.append(item)
+        else:
+            raise GradtrackError(
+                f"backend {item!r} is neither a registered name nor a GradientSink "
+                "(an object with write, alert, flush and close methods)"
+            )
+    return sinks
+
+
+def finish_in_caller_thread(sinks: Sequence[GradientSink]) -> list[str]:
+    """After the sinks closed, in the caller's thread (MLflow's active run is per thread): a
+    run the MLflow sink shared with the user's own ``mlflow.*`` calls is ended there too.
+    Returns the commands that draw each run's report."""
+    commands = []
+    for sink in sinks:
+        try:
+            end_shared_run = getattr(sink, "end_shared_run", None)
+            if end_shared_run is not None:
+                end_shared_run()
+            command = getattr(sink, "report_command", lambda: None)()
+            if command:
+                commands.append(command)
+        except Exception as exc:  # watching must never crash training
+            report(f"gradtrack could not finish with {type(sink).__name__}: {exc!r}")
+    return commands

@@ -1,0 +1,92 @@
+"""Record assembly on its own: a collected step (host copies and named evidence) in, its
+`StepRecord` and alerts out — no watcher, no worker, no sink."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gradtrack.alerts import AlertEngine
+from gradtrack.assemble import Assembler, PendingStep
+from gradtrack.collect import Collector
+from gradtrack.config import GradtrackConfig
+from gradtrack.evidence import StepEvidence
+from gradtrack.latch import BadStepLatch
+from gradtrack.layers import discover_layers
+
+
+def _parts(model: nn.Module, config: GradtrackConfig) -> tuple[Collector, Assembler]:
+    collector = Collector(discover_layers(model, config), 256, seed=0)
+    engine = AlertEngine(config.alerts, collector.layer_names)
+    return collector, Assembler(collector.index, config, engine, activation_names=("act",))
+
+
+def _backward(model: nn.Module) -> None:
+    torch.manual_seed(0)
+    model.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+
+
+def test_a_record_holds_exact_norms_and_its_evidence_by_name() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
+    config = GradtrackConfig(hist_every=1)
+    collector, assembler = _parts(model, config)
+    _backward(model)
+    evidence = StepEvidence(
+        output_finite=torch.tensor(True),
+        amp_found_inf=torch.tensor(0.0),
+        amp_scale=torch.tensor(1024.0),
+        amp_scale_after=torch.tensor(1024.0),
+        activation_norms=[torch.tensor(2.5)],
+    )
+    parts = collector.collect(collector.guard(), with_samples=True, evidence=evidence)
+    step = assembler.assemble(PendingStep(3, time.time(), parts, activation_order=[0]))
+    (record,) = step.records
+    grads = [p.grad for p in model.parameters()]
+    total = torch.sqrt(sum(g.double().pow(2).sum() for g in grads))  # type: ignore[union-attr]
+    assert record.step == 3
+    assert record.total_norm == pytest.approx(float(total), rel=1e-7)
+    assert record.layers == ("0", "2")
+    assert record.output_finite is True and record.output_grad_finite is None
+    assert record.amp_skipped is False and record.amp_scale == 1024.0
+    assert record.activation_grad_norms == {"act": 2.5}
+    assert set(record.histograms) == {"0", "2"}
+    assert step.events == []
+
+
+def test_a_nonfinite_step_is_counted_and_alerts() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
+    collector, assembler = _parts(model, GradtrackConfig())
+    _backward(model)
+    model[2].weight.grad[0, 1] = float("nan")  # type: ignore[index]
+    parts = collector.collect(collector.guard(), with_samples=False, evidence=StepEvidence())
+    step = assembler.assemble(PendingStep(0, time.time(), parts))
+    (record,) = step.records
+    assert record.nan_count == 1
+    assert [event.rule for event in step.events] == ["nonfinite"]
+    assert step.events[0].layer == "2"
+
+
+def test_a_latched_bad_step_leads_the_logged_step_it_rode_with() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
+    collector, assembler = _parts(model, GradtrackConfig())
+    latch = BadStepLatch(len(collector.params))
+    _backward(model)
+    model[0].bias.grad[2] = float("inf")  # type: ignore[index]
+    latch.update(collector.guard(), step=7)  # the bad step between logged ones
+    _backward(model)
+    guard = collector.guard()
+    evidence = StepEvidence(latch=latch.take(torch.device("cpu")))
+    step = assembler.assemble(
+        PendingStep(10, time.time(), collector.collect(guard, False, evidence))
+    )
+    latched, logged = step.records
+    assert (latched.step, logged.step) == (7, 10)
+    assert latched.counted is False and np.isinf(latched.total_norm)
+    assert np.isfinite(logged.total_norm)
+    first = step.events[0]
+    assert (first.step, first.rule, first.layer) == (7, "nonfinite", "0")

@@ -1,0 +1,109 @@
+"""The package's shape, as docs/architecture.md draws it: imports go one way only (no module
+imports one above it, lazily or not), and no class or function outgrows a reading."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gradtrack"
+MAX_CLASS_LINES = 250
+MAX_FUNCTION_LINES = 60
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every gradtrack module ``path`` imports, at the top or inside a function."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("gradtrack"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            if not base.startswith("gradtrack"):
+                continue
+            for alias in node.names:  # `from gradtrack import lifecycle` imports a module
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in MODULES else base)
+    return found - {module}
+
+
+MODULES = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+GRAPH = {name: _imports(path) & MODULES.keys() for name, path in MODULES.items()}
+
+
+def _cycle() -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        stack.append(name)
+        for dep in sorted(GRAPH[name]):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[name] = 2
+        return None
+
+    for name in sorted(GRAPH):
+        if name not in state and (found := visit(name)):
+            return found
+    return None
+
+
+def test_imports_go_one_way() -> None:
+    assert _cycle() is None, " -> ".join(_cycle() or [])
+
+
+# Packages and the ones above them, which they must never import.
+ABOVE = {
+    "gradtrack.formats": ("gradtrack.report", "gradtrack.sinks"),
+    "gradtrack.report": ("gradtrack.sinks", "gradtrack.worker", "gradtrack.watcher"),
+    "gradtrack.sinks": ("gradtrack.worker", "gradtrack.watcher", "gradtrack.api"),
+    "gradtrack.assemble": ("gradtrack.worker", "gradtrack.courier", "gradtrack.sinks"),
+    "gradtrack.collect": ("gradtrack.assemble", "gradtrack.worker", "gradtrack.watcher"),
+    "gradtrack.integrations": ("gradtrack.cli",),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(ABOVE))
+def test_no_module_imports_one_above_it(layer: str) -> None:
+    wrong = [
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        if name == layer or name.startswith(layer + ".")
+        for dep in deps
+        if any(dep == up or dep.startswith(up + ".") for up in ABOVE[layer])
+    ]
+    assert wrong == []
+
+
+def test_only_the_command_line_imports_the_package_root() -> None:
+    assert sorted(name for name, deps in GRAPH.items() if "gradtrack" in deps) == ["gradtrack.cli"]
+
+
+def test_classes_and_functions_stay_small() -> None:
+    too_long = []
+    for name, path in sorted(MODULES.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+                too_long.append(f"class {name}.{node.name}: {lines} lines")
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if lines > MAX_FUNCTION_LINES:
+                    too_long.append(f"function {name}.{node.name}: {lines} lines")
+    assert too_long == []
