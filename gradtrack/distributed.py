@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from gradtrack.config import GradtrackConfig
+from gradtrack.stats import accumulation_dtype
 
 Layout = Literal["replicated", "sharded"]
 
@@ -110,9 +111,8 @@ class LocalNormProbe:
         grad = param.grad
         if grad.is_sparse:
             grad = grad.coalesce()._values()
-        low = grad.dtype in (torch.float16, torch.bfloat16)
         with torch.no_grad():
-            norm = torch.linalg.vector_norm(grad, dtype=torch.float32 if low else None)
+            norm = torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype))
         self._norms[index] = norm
 
     def take(self, device: torch.device) -> Tensor:

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from gradtrack.errors import GradtrackError
+from gradtrack.stats import accumulation_dtype
 
 # Compiled regions: a forward hook on a module that is compiled after gradtrack watched it
 # is traced into the graph. Reading the step counter there would make dynamo guard on it
@@ -152,8 +153,11 @@ class ActivationProbe:
 
     def _output_grad(self, index: int, grad: Tensor) -> None:
         with torch.no_grad():
-            accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
-            squared = torch.linalg.vector_norm(grad, dtype=accumulate).double().square()
+            squared = (
+                torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype))
+                .double()
+                .square()
+            )
             previous = self.norms[index]
             if previous is None:
                 self.order.append(index)

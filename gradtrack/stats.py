@@ -23,6 +23,18 @@ L2, L1, LINF, NAN, INF = range(5)
 TENSOR_COLUMNS = 5
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a reduction over ``dtype`` accumulates in: fp32 for fp16/bf16 (whose own
+    range overflows on a long sum of squares), else the tensor's own (None).
+
+    >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.float32)
+    (torch.float32, None)
+    """
+    return torch.float32 if dtype in _LOW_PRECISION else None
+
+
 # On CPU, tensors smaller than this are reduced packed together (see `abs_norms`): the
 # packed path costs per element, the foreach path per tensor. Measured over the benchmark
 # models, 2^12 was best or equal (quickstart CNN: 169 -> 120 us per step against 2^16).
@@ -132,7 +144,7 @@ def l2_norms(grads: list[Tensor], on_host: bool, exact: bool = True) -> Tensor:
         norms = _cpu_norms(grads, 2)
         _repair(norms, grads, 2)
         return norms
-    accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
+    accumulate = accumulation_dtype(grads[0].dtype)
     norms = torch.stack(torch._foreach_norm(grads, 2, dtype=accumulate)).double()
     overflowed = np.flatnonzero(np.isinf(norms.numpy()))
     if len(overflowed):
@@ -219,7 +231,7 @@ def _cpu_norms(grads: list[Tensor], ord: int) -> Tensor:
     """fp32-accumulated norms (fp64 for fp64 gradients), long tensors in chunks; one
     foreach call (L2) or one cascaded sum per tensor (L1: CPU's L1 kernel drifts by 2e-6
     already at 4,096 elements, its sum does not)."""
-    accumulate = torch.float32 if grads[0].dtype in _LOW_PRECISION else None
+    accumulate = accumulation_dtype(grads[0].dtype)
     if ord == 1:
         return torch.stack([g.abs().sum(dtype=accumulate) for g in grads]).double()
     chunk = _CHUNK_ELEMENTS if accumulate is None else _LOW_PRECISION_CHUNK_ELEMENTS

@@ -18,13 +18,13 @@ from gradtrack.assemble import AssembledStep, Assembler, PendingStep
 from gradtrack.collect import Collector, Guard
 from gradtrack.distributed import RankGroup
 from gradtrack.errors import GradientAlertError
+from gradtrack.mailbox import Mailbox
 from gradtrack.origin import nonfinite_weight_layers
 from gradtrack.probes import Probes
 from gradtrack.schedule import StepSchedule
 from gradtrack.signals import Signals
 from gradtrack.skip import Skip
 from gradtrack.verdict import StepJudge, Verdict
-from gradtrack.worker import Mailbox
 
 OnError = Callable[[int, Exception], None]
 

@@ -16,9 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from gradtrack.record import root_sum_squares
-from gradtrack.stats import DeviceIndex, copy_to_host
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+from gradtrack.stats import DeviceIndex, accumulation_dtype, copy_to_host
 
 
 class UpdateProbe:
@@ -69,7 +67,7 @@ class UpdateProbe:
 
 def _norms(tensors: list[Tensor]) -> Tensor:
     """float64 L2 norms (fp32 accumulation for fp16/bf16 weights)."""
-    accumulate = torch.float32 if tensors[0].dtype in _LOW_PRECISION else None
+    accumulate = accumulation_dtype(tensors[0].dtype)
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=accumulate)).double()
 
 

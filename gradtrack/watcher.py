@@ -34,6 +34,7 @@ from gradtrack.layers import (
 )
 from gradtrack.lifecycle import Outcome, outcome_of
 from gradtrack.log import logger, report, warn
+from gradtrack.mailbox import Mailbox
 from gradtrack.probes import Probes, StepSource
 from gradtrack.schedule import StepSchedule
 from gradtrack.signals import build_signals
@@ -41,7 +42,7 @@ from gradtrack.sinks.base import GradientSink
 from gradtrack.sinks.build import finish_in_caller_thread
 from gradtrack.stepper import Stepper
 from gradtrack.verdict import StepJudge
-from gradtrack.worker import Mailbox, Worker
+from gradtrack.worker import Worker
 
 AlertCallback = Callable[[AlertEvent], None]
 

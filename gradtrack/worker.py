@@ -1,144 +1,30 @@
-"""The worker thread: turns collected steps into `StepRecord`s and hands them to the sinks.
+"""The worker thread: moves steps from the mailbox, through assembly and the rules, to the
+spool and the sinks.
 
-Between the training thread and the worker sits a bounded mailbox; after it, each sink has a
-courier thread of its own (`gradtrack.courier`), so neither the training thread nor the
-worker ever waits on a tracker, and a failing sink is reported once and never stops the
-others.
+Between the training thread and the worker sits a bounded mailbox (`gradtrack.mailbox`);
+after it, each sink has a courier thread of its own (`gradtrack.courier`), so neither the
+training thread nor the worker ever waits on a tracker, and a failing sink is reported once
+and never stops the others.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
+from gradtrack.actions import AlertActions
 from gradtrack.alerts import AlertEvent
-from gradtrack.assemble import AssembledStep, Assembler, PendingStep
+from gradtrack.assemble import Assembler, PendingStep
 from gradtrack.config import GradtrackConfig
 from gradtrack.courier import Courier, SpooledCourier, TrackerSink, yield_cpu_to_training
 from gradtrack.drops import DropCount
-from gradtrack.errors import GradientWarning
 from gradtrack.lifecycle import Outcome
-from gradtrack.log import logger, report, warn
+from gradtrack.log import report
+from gradtrack.mailbox import Control, Mailbox, QueuedStep
 from gradtrack.record import StepRecord
 from gradtrack.sinks.base import GradientSink
 from gradtrack.spool import Spool, default_root
-
-_LOG_LEVEL = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
-
-
-@dataclass
-class _Control:
-    kind: Literal["flush", "stop"]
-    outcome: Outcome = "FINISHED"
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-_Step = PendingStep | AssembledStep
-_Item = _Step | _Control
-
-
-def _nbytes(item: _Step) -> int:
-    """Memory a queued step holds (its host copies and samples, or its record's rows)."""
-    if isinstance(item, AssembledStep):
-        return sum(record.stats.nbytes for record in item.records)
-    return sum(
-        part.buffer.nbytes + (0 if part.cpu_samples is None else part.cpu_samples.nbytes)
-        for part in item.parts
-    )
-
-
-class Mailbox:
-    """A queue of steps bounded in count and in bytes; control messages (flush, stop) never
-    count against the bounds."""
-
-    def __init__(
-        self,
-        capacity: int,
-        when_full: Literal["drop_oldest", "block"],
-        drops: DropCount | None = None,
-        max_bytes: int = 1 << 62,
-    ) -> None:
-        self.capacity = capacity
-        self.max_bytes = max_bytes
-        self.when_full = when_full
-        self.dropped = 0
-        self._drops = drops
-        self._items: deque[_Item] = deque()
-        self._steps = 0
-        self._bytes = 0
-        self._closed = False
-        self._changed = threading.Condition()
-
-    def put_step(self, item: _Step) -> None:
-        with self._changed:
-            size = _nbytes(item)
-            if self.when_full == "block":
-                self._changed.wait_for(lambda: self._closed or not self._full(size))
-            if self._closed:  # the worker is gone: nothing would ever take it
-                self._drop("gradtrack's worker thread has stopped")
-                return
-            while self._steps and self._full(size):
-                oldest = next(i for i, x in enumerate(self._items) if not isinstance(x, _Control))
-                self._bytes -= _nbytes(self._items[oldest])  # type: ignore[arg-type]
-                del self._items[oldest]
-                self._steps -= 1
-                self._drop(
-                    f"the worker is {self._steps + 1} steps behind the training loop (raise "
-                    "log_every, queue_size or queue_mib, or queue_full='block' to wait)"
-                )
-            self._items.append(item)
-            self._steps += 1
-            self._bytes += size
-            self._changed.notify_all()
-
-    def _full(self, adding_bytes: int) -> bool:
-        return self._steps >= self.capacity or self._bytes + adding_bytes > self.max_bytes
-
-    def _drop(self, why: str) -> None:
-        self.dropped += 1
-        if self._drops is not None:
-            self._drops.add(1, why)
-
-    def close(self) -> None:
-        """No one takes from it any more: release anyone waiting for room."""
-        with self._changed:
-            self._closed = True
-            self._items.clear()
-            self._steps = self._bytes = 0
-            self._changed.notify_all()
-
-    def put_control(self, item: _Control) -> None:
-        with self._changed:
-            self._items.append(item)
-            self._changed.notify_all()
-
-    def take(self, max_steps: int, gather_s: float = 0.0) -> list[_Item]:
-        """Wait for work; return up to ``max_steps`` steps, stopping after a control message.
-
-        Once a step is waiting, wait up to ``gather_s`` more for others to join it (unless a
-        control message or a full batch arrives): fewer, larger hand-offs.
-        """
-        with self._changed:
-            self._changed.wait_for(lambda: bool(self._items))
-            if gather_s > 0:
-                self._changed.wait_for(lambda: self._ready(max_steps), timeout=gather_s)
-            taken: list[_Item] = []
-            while self._items and len(taken) < max_steps:
-                item = self._items.popleft()
-                taken.append(item)
-                if isinstance(item, _Control):
-                    break
-                self._steps -= 1
-                self._bytes -= _nbytes(item)
-            self._changed.notify_all()
-            return taken
-
-    def _ready(self, max_steps: int) -> bool:
-        return self._steps >= max_steps or any(isinstance(i, _Control) for i in self._items)
 
 
 class Worker:
@@ -166,12 +52,11 @@ class Worker:
             self.couriers.append(courier)
         self._sync_told = False  # the sync command was named already
         self.record_errors = 0
-        self.callback_errors = 0
         self.assembler = assembler
         self._mailbox = mailbox
         self._max_batch_steps = config.max_batch_steps
         self._gather_s = config.batch_wait_s
-        self._on_alert = on_alert
+        self.actions = AlertActions(assembler.alert_engine, on_alert)
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
 
@@ -191,7 +76,7 @@ class Worker:
         MLflow marks a run it started FINISHED, FAILED or KILLED)."""
         if not self._thread.is_alive():
             return True
-        control = _Control(kind, outcome)
+        control = Control(kind, outcome)
         self._mailbox.put_control(control)
         done = control.done.wait(timeout_s)
         if done and kind == "stop":
@@ -213,7 +98,7 @@ class Worker:
             records: list[StepRecord] = []
             events: list[AlertEvent] = []
             for item in self._mailbox.take(self._max_batch_steps, self._gather_s):
-                if not isinstance(item, _Control):
+                if not isinstance(item, Control):
                     self._process(item, records, events)
                     continue
                 self._hand_over(records, events)
@@ -223,7 +108,7 @@ class Worker:
                     return
             self._hand_over(records, events)
 
-    def _finish(self, control: _Control) -> None:
+    def _finish(self, control: Control) -> None:
         """Have every sink flush (or flush and close) after what it was handed, and mark
         ``control`` done once all have — waiting for that on a thread of its own, so that
         a sink stuck on its tracker never holds up the worker."""
@@ -249,7 +134,9 @@ class Worker:
 
         threading.Thread(target=wait, name="gradtrack-flush", daemon=True).start()
 
-    def _process(self, item: _Step, records: list[StepRecord], events: list[AlertEvent]) -> None:
+    def _process(
+        self, item: QueuedStep, records: list[StepRecord], events: list[AlertEvent]
+    ) -> None:
         try:
             step = self.assembler.assemble(item) if isinstance(item, PendingStep) else item
         except Exception as exc:  # a bug here must not stop the worker
@@ -262,25 +149,7 @@ class Worker:
         for event in step.events:
             if not event.silenced:  # within its rule's cooldown: it only raised
                 events.append(event)
-                self._act(event)
-
-    def _act(self, event: AlertEvent) -> None:
-        action = self.assembler.alert_engine.rule(event.rule, event.layer).action
-        if event.severity == "info":
-            action = "log"
-        # Each event reaches the terminal once: as a warning where the rule asks for one, else
-        # as a logging record at its severity (a raise is the training thread's exception).
-        if action == "warn":
-            warn(event.message, GradientWarning)
-        elif action == "log":
-            logger.log(_LOG_LEVEL[event.severity], "%s", event.message)
-        if self._on_alert is not None:
-            try:
-                self._on_alert(event)
-            except Exception as exc:
-                self.callback_errors += 1
-                if self.callback_errors == 1:
-                    report(f"gradtrack's on_alert callback failed: {exc!r}")
+                self.actions.act(event)
 
     def _hand_over(self, records: list[StepRecord], events: list[AlertEvent]) -> None:
         if self.spool is not None and (records or events):
