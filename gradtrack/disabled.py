@@ -33,8 +33,16 @@ class DisabledWatcher(Watcher):
     def __init__(self, model: nn.Module, config: GradtrackConfig) -> None:
         self.model_ref = weakref.ref(model)
         self.config = config
-        self.step = 0
+        self._step = 0
         self.closed = False
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
 
     @property
     def layer_names(self) -> tuple[str, ...]:

@@ -90,7 +90,7 @@ class Stepper:
         self.mailbox = mailbox
         self.engine = engine
         self.ranks = ranks
-        self.raise_on_alert = "raise" in engine.rules.actions()
+        self.raise_on_alert = judge.raise_on_alert
         self._on_error = on_error
         # A logged step waiting for its optimizer step, to carry the update it applied.
         self._held: PendingStep | AssembledStep | None = None

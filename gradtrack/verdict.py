@@ -30,23 +30,24 @@ UNKNOWN = Verdict(True, False, None)  # (latched instead, or FSDP2: the logged s
 class StepJudge:
     """Guards each step (one batched norm pass) and judges it.
 
-    ``judge_now``: a raise or skip rule must see every step's verdict, paying one read per
-    step on an accelerator. ``every_step``: the verdict is read at every step; under FSDP2
-    each rank sees only its shards, so unlogged steps would need a collective, and the
-    verdict comes with the logged steps instead.
+    ``raise_on_alert``: a rule may raise. It, or a skip rule, must see every step's
+    verdict, paying one read per step on an accelerator. ``every_step``: the verdict is read
+    at every step; under FSDP2 each rank sees only its shards, so unlogged steps would need
+    a collective, and the verdict comes with the logged steps instead.
     """
 
     def __init__(
         self,
         collector: Collector,
         signals: Signals,
-        judge_now: bool,
+        raise_on_alert: bool,
         every_step: bool,
         on_error: OnError,
     ) -> None:
         self.collector = collector
         self.signals = signals
-        self.judge_now = judge_now
+        self.raise_on_alert = raise_on_alert
+        self.judge_now = raise_on_alert or signals.skips is not None
         self.every_step = every_step
         # None: the verdict is read at each step on the CPU, and latched on the device for
         # the next logged step elsewhere; False: latched everywhere (how tests take the

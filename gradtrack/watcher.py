@@ -124,8 +124,8 @@ class Watcher:
         every_step = self.ranks is None or self.ranks.layout == "replicated"
         own_steps = own_steps and self._steps == "auto"
         signals = build_signals(config, self.alert_engine, self.collector, own_steps, every_step)
-        judge_now = "raise" in config.alerts.actions() or signals.skips is not None
-        self.judge = StepJudge(self.collector, signals, judge_now, every_step, self._collect_failed)
+        raises = "raise" in config.alerts.actions()
+        self.judge = StepJudge(self.collector, signals, raises, every_step, self._collect_failed)
         self.assembler = Assembler(
             self.collector.index, config, self.alert_engine, self.activation_names, self.ranks,
             drops=self.drops, mesh=self.collector.mesh,
