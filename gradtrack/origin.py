@@ -146,17 +146,39 @@ def _replay(
     rng: Tensor | None,
 ) -> Origin:
     # Flags stay on the device until the pass ends: one read per pass.
+    if not _finite(_floats((args, kwargs))):
+        return Origin(None, "forward", "the input batch itself holds NaN/Inf")
+    forward_bad = _forward_bad(model, names, args, kwargs)
+    if forward_bad:
+        return Origin(_shown(forward_bad[0]), "forward", _FORWARD_NOTE)
+    if output_grads and not _finite(output_grads):
+        return Origin(None, "loss")
+    if not output_grads:
+        return Origin(None, None, "the model output had no gradient to replay")
+    made = _backward_made(model, names, args, kwargs, output_grads, rng)
+    if not made:
+        return Origin(
+            None,
+            None,
+            "the replay's backward stayed finite: the model's own forward and backward did "
+            "not make it (a gradient changed after backward — a hook, clipping code, a "
+            "collective — or what the replay cannot see) " + _FORWARD_NOTE,
+        )
+    # Innermost: a module none of whose submodules also made it; the first in backward order.
+    inner = [name for name in made if not any(_inside(other, name) for other in made)]
+    return Origin(_shown(inner[0] if inner else made[0]), "backward", _FORWARD_NOTE)
+
+
+def _forward_bad(
+    model: nn.Module, names: dict[nn.Module, str], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[str]:
+    """The modules whose output was non-finite in a replay of the forward, in execution
+    order."""
     forward: list[tuple[str, Tensor]] = []  # (module, output finite), in execution order
-    backward: list[tuple[str, Tensor, Tensor]] = []  # (module, output grad, input grad finite)
 
     def after_forward(module: nn.Module, _args: Any, output: Any) -> None:
         forward.append((names[module], _all_finite(_floats(output))))
 
-    def after_backward(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
-        backward.append((names[module], _all_finite(list(grad_out)), _all_finite(list(grad_in))))
-
-    if not _finite(_floats((args, kwargs))):
-        return Origin(None, "forward", "the input batch itself holds NaN/Inf")
     handles = [m.register_forward_hook(after_forward) for m in names]
     try:
         with torch.no_grad():
@@ -165,13 +187,25 @@ def _replay(
         for handle in handles:
             handle.remove()
     finite = _read([flag for _, flag in forward])
-    forward_bad = [name for (name, _), ok in zip(forward, finite) if not ok]
-    if forward_bad:
-        return Origin(_shown(forward_bad[0]), "forward", _FORWARD_NOTE)
-    if output_grads and not _finite(output_grads):
-        return Origin(None, "loss")
-    if not output_grads:
-        return Origin(None, None, "the model output had no gradient to replay")
+    return [name for (name, _), ok in zip(forward, finite) if not ok]
+
+
+def _backward_made(
+    model: nn.Module,
+    names: dict[nn.Module, str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output_grads: list[Tensor],
+    rng: Tensor | None,
+) -> list[str]:
+    """The modules, in backward order, that made a non-finite gradient in a replay of the
+    backward from ``output_grads``: their output gradient was finite, and their input
+    gradient (or their own parameters') was not."""
+    backward: list[tuple[str, Tensor, Tensor]] = []  # (module, output grad, input grad finite)
+
+    def after_backward(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+        backward.append((names[module], _all_finite(list(grad_out)), _all_finite(list(grad_in))))
+
     handles = [m.register_full_backward_hook(after_backward) for m in names]
     try:
         if rng is not None:
@@ -185,30 +219,26 @@ def _replay(
     finally:
         for handle in handles:
             handle.remove()
-    # A module's own parameters' gradients count as its inputs' (a first layer has no other).
-    grad_of = {id(p): g for p, g in zip(params, grads)}
-    owners = [m for m in names if any(True for _ in m.parameters(recurse=False))]
-    own_flags = [
-        _all_finite([grad_of.get(id(p)) for p in m.parameters(recurse=False)]) for m in owners
-    ]
+    owners, own_flags = _own_gradients_finite(names, params, grads)
     flags = _read([f for _, out_ok, in_ok in backward for f in (out_ok, in_ok)] + own_flags)
     own_bad = {names[m] for m, ok in zip(owners, flags[2 * len(backward) :]) if not ok}
-    made = [
+    return [
         name
         for k, (name, _, _) in enumerate(backward)
         if flags[2 * k] and (not flags[2 * k + 1] or name in own_bad)
     ]
-    if not made:
-        return Origin(
-            None,
-            None,
-            "the replay's backward stayed finite: the model's own forward and backward did "
-            "not make it (a gradient changed after backward — a hook, clipping code, a "
-            "collective — or what the replay cannot see) " + _FORWARD_NOTE,
-        )
-    # Innermost: a module none of whose submodules also made it; the first in backward order.
-    inner = [name for name in made if not any(_inside(other, name) for other in made)]
-    return Origin(_shown(inner[0] if inner else made[0]), "backward", _FORWARD_NOTE)
+
+
+def _own_gradients_finite(
+    names: dict[nn.Module, str], params: list[nn.Parameter], grads: Sequence[Tensor | None]
+) -> tuple[list[nn.Module], list[Tensor]]:
+    """The modules that own parameters, and per module (on the device) whether its own
+    parameters' gradients are finite: they count as its inputs' (a first layer has no
+    other)."""
+    grad_of = {id(p): g for p, g in zip(params, grads)}
+    owners = [m for m in names if any(True for _ in m.parameters(recurse=False))]
+    flags = [_all_finite([grad_of.get(id(p)) for p in m.parameters(recurse=False)]) for m in owners]
+    return owners, flags
 
 
 def _inside(name: str, ancestor: str) -> bool:
