@@ -3,18 +3,18 @@ means the model itself produces Inf/NaN, whatever the scale."""
 
 from __future__ import annotations
 
+from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.record import StepRecord
 
 
-class AmpCheck:
+class AmpCheck(Check):
     """Counts the steps in a row the GradScaler skipped."""
 
     def __init__(self, book: RuleBook, cooldowns: Cooldowns) -> None:
-        self.book = book
-        self.cooldowns = cooldowns
+        super().__init__(book, cooldowns)
         self._skips = 0
 
     def check(self, record: StepRecord) -> list[AlertEvent]:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.patience import Runs
@@ -29,13 +30,12 @@ _DYING_RELU = (
 )
 
 
-class DeadCheck:
+class DeadCheck(Check):
     """``saturating``: per layer (depth order), whether zero gradients there read as
     saturated tanh/sigmoid rather than dead ReLUs (`gradtrack.layers.saturating_layers`)."""
 
     def __init__(self, book: RuleBook, cooldowns: Cooldowns, saturating: Sequence[bool]) -> None:
-        self.book = book
-        self.cooldowns = cooldowns
+        super().__init__(book, cooldowns)
         self._saturating = list(saturating)
         self._runs = Runs(len(book.names))
 

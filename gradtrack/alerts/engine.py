@@ -46,7 +46,6 @@ class AlertEngine:
         """``kinds``: per layer, what it is compared with (`gradtrack.layers.layer_kinds`;
         default: all alike); ``saturating``: per layer, whether zero gradients there read as
         saturated tanh/sigmoid rather than dead ReLUs (`gradtrack.layers.saturating_layers`)."""
-        self.rules = rules
         self.rank = rank
         self.book = RuleBook(rules, depth_order)
         cooldowns = Cooldowns(self.book, rank)

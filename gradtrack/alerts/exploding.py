@@ -7,18 +7,18 @@ from collections import deque
 
 import numpy as np
 
+from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.record import StepRecord
 
 
-class ExplodingCheck:
+class ExplodingCheck(Check):
     """Suggests a clipping norm from ``total_norms``, the finite total norms seen so far."""
 
     def __init__(self, book: RuleBook, cooldowns: Cooldowns, total_norms: deque[float]) -> None:
-        self.book = book
-        self.cooldowns = cooldowns
+        super().__init__(book, cooldowns)
         self.total_norms = total_norms
 
     def layers(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:

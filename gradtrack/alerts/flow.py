@@ -9,6 +9,7 @@ from collections import deque
 
 import numpy as np
 
+from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.kinds import LayerKinds
@@ -18,7 +19,7 @@ from gradtrack.record import StepRecord
 _DIGITS = re.compile(r"\d+")
 
 
-class FlowCheck:
+class FlowCheck(Check):
     """The seed's profile, first layers over last, compared like with like: per *role* —
     a kind of layer at one place in a repeated block (``blocks.#.attn.q``; every layer of
     a plain stack) with at least 3 layers — the geometric-mean gradient RMS of its first
@@ -28,8 +29,7 @@ class FlowCheck:
     def __init__(
         self, book: RuleBook, cooldowns: Cooldowns, kinds: LayerKinds, total_norms: deque[float]
     ) -> None:
-        self.book = book
-        self.cooldowns = cooldowns
+        super().__init__(book, cooldowns)
         self.kinds = kinds
         self.total_norms = total_norms  # the finite total norms so far, for a clipping norm
         self._run = 0  # logged steps in a row the rule tripped, signed by direction

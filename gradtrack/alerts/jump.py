@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.kinds import LayerKinds
@@ -41,14 +42,13 @@ class Envelope(NamedTuple):
         return cls(above_max, above_min, below_min, below_max, upstream_weak, weak, ratio)
 
 
-class JumpCheck:
+class JumpCheck(Check):
     """Where every layer of a kind on one side of a depth is ``ratio`` below every layer
     of that kind on the other: an envelope, so that one layer that is small by nature
     (a query projection at initialisation) next to normal ones is no break."""
 
     def __init__(self, book: RuleBook, cooldowns: Cooldowns, kinds: LayerKinds) -> None:
-        self.book = book
-        self.cooldowns = cooldowns
+        super().__init__(book, cooldowns)
         self.kinds = kinds
 
     def check(self, record: StepRecord) -> list[AlertEvent]:

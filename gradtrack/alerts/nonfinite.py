@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradtrack.alerts.blame import BackwardOrder
+from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.diagnosis import nonfinite_diagnosis
 from gradtrack.alerts.event import AlertEvent, Stage
@@ -18,13 +19,12 @@ from gradtrack.alerts.wording import listed
 from gradtrack.record import StepRecord
 
 
-class NonFiniteCheck:
+class NonFiniteCheck(Check):
     """Remembers the last step with a non-finite gradient and the first with non-finite
     weights, so that a weights event can name the update that broke them."""
 
     def __init__(self, book: RuleBook, cooldowns: Cooldowns, blame: BackwardOrder) -> None:
-        self.book = book
-        self.cooldowns = cooldowns
+        super().__init__(book, cooldowns)
         self.blame = blame
         self._last_bad_gradient: int | None = None  # the last step with a non-finite gradient
         self._weights_bad_since: int | None = None  # the first step whose weights were

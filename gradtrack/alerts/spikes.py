@@ -7,18 +7,13 @@ import math
 
 import numpy as np
 
-from gradtrack.alerts.cooldown import Cooldowns
+from gradtrack.alerts.check import Check
 from gradtrack.alerts.event import AlertEvent
-from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.record import StepRecord
 
 
-class SpikeCheck:
+class SpikeCheck(Check):
     """Words the spikes of a step; the window's statistics come with the record."""
-
-    def __init__(self, book: RuleBook, cooldowns: Cooldowns) -> None:
-        self.book = book
-        self.cooldowns = cooldowns
 
     def check(self, record: StepRecord) -> list[AlertEvent]:
         """The columns `gradtrack.spike.NormWindow` flagged at this step, on the device (every

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.patience import Runs
@@ -12,12 +13,11 @@ from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.record import StepRecord
 
 
-class UpdateRatioCheck:
+class UpdateRatioCheck(Check):
     """Counts, per layer, the logged steps in a row its ratio was out of range."""
 
     def __init__(self, book: RuleBook, cooldowns: Cooldowns) -> None:
-        self.book = book
-        self.cooldowns = cooldowns
+        super().__init__(book, cooldowns)
         self._runs = Runs(len(book.names))
 
     def check(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
