@@ -47,22 +47,22 @@ class AlertEngine:
         default: all alike); ``saturating``: per layer, whether zero gradients there read as
         saturated tanh/sigmoid rather than dead ReLUs (`gradtrack.layers.saturating_layers`)."""
         self.rank = rank
-        self.book = RuleBook(rules, depth_order)
-        cooldowns = Cooldowns(self.book, rank)
+        self._book = RuleBook(rules, depth_order)
+        cooldowns = Cooldowns(self._book, rank)
         self._kinds = LayerKinds(
-            kinds if kinds is not None else ["layer"] * len(depth_order), self.book.depth
+            kinds if kinds is not None else ["layer"] * len(depth_order), self._book.depth
         )
-        self._backward = BackwardOrder(self.book.depth)
+        self._backward = BackwardOrder(self._book.depth)
         self._total_norms: deque[float] = deque(maxlen=1000)
-        self._amp = AmpCheck(self.book, cooldowns)
-        self._nonfinite = NonFiniteCheck(self.book, cooldowns, self._backward)
-        self._exploding = ExplodingCheck(self.book, cooldowns, self._total_norms)
-        self._vanishing = VanishingCheck(self.book, cooldowns)
-        self._dead = DeadCheck(self.book, cooldowns, saturating or [False] * len(depth_order))
-        self._spike = SpikeCheck(self.book, cooldowns)
-        self._update_ratio = UpdateRatioCheck(self.book, cooldowns)
-        self._jump = JumpCheck(self.book, cooldowns, self._kinds)
-        self._flow = FlowCheck(self.book, cooldowns, self._kinds, self._total_norms)
+        self._amp = AmpCheck(self._book, cooldowns)
+        self._nonfinite = NonFiniteCheck(self._book, cooldowns, self._backward)
+        self._exploding = ExplodingCheck(self._book, cooldowns, self._total_norms)
+        self._vanishing = VanishingCheck(self._book, cooldowns)
+        self._dead = DeadCheck(self._book, cooldowns, saturating or [False] * len(depth_order))
+        self._spike = SpikeCheck(self._book, cooldowns)
+        self._update_ratio = UpdateRatioCheck(self._book, cooldowns)
+        self._jump = JumpCheck(self._book, cooldowns, self._kinds)
+        self._flow = FlowCheck(self._book, cooldowns, self._kinds, self._total_norms)
 
     def set_backward_order(self, layers: Sequence[str]) -> None:
         """Layers in the order their gradients became ready in a backward pass."""
@@ -70,7 +70,7 @@ class AlertEngine:
 
     def rule(self, name: str, layer: str | None) -> Any:
         """The rule ``name`` as it applies to ``layer`` (None: the total norm)."""
-        return self.book.rule(name, layer)
+        return self._book.rule(name, layer)
 
     def evaluate(self, record: StepRecord) -> list[AlertEvent]:
         """The events of one step, in rule order; those of layers that tripped one rule
@@ -80,7 +80,7 @@ class AlertEngine:
             events += self._amp.check(record)
         if not record.amp_skipped:
             events += self._nonfinite.check(record)
-        idx = self.book.positions(record)
+        idx = self._book.positions(record)
         events += self._exploding.layers(record, idx)
         events += self._vanishing.check(record, idx) + self._dead.check(record, idx)
         events += self._exploding.check(record, None, record.total_norm)
@@ -89,5 +89,5 @@ class AlertEngine:
         events += jumps + self._flow.check(record, broken={self._kinds.of(e.layer) for e in jumps})
         if math.isfinite(record.total_norm):
             self._total_norms.append(record.total_norm)
-        events = merge_layers(events, self.book)
-        return told_skipped(record, events, self.book, self.rank) if record.skipped_by else events
+        events = merge_layers(events, self._book)
+        return told_skipped(record, events, self._book, self.rank) if record.skipped_by else events

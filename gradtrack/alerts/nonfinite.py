@@ -15,7 +15,7 @@ from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.diagnosis import nonfinite_diagnosis
 from gradtrack.alerts.event import AlertEvent, Stage
 from gradtrack.alerts.rulebook import RuleBook
-from gradtrack.alerts.wording import listed
+from gradtrack.alerts.wording import SHOWN_LAYERS, listed
 from gradtrack.record import StepRecord
 
 
@@ -89,10 +89,11 @@ class NonFiniteCheck(Check):
 
 def _counts(record: StepRecord, bad: list[str], nan: int, inf: int, kind: str) -> str:
     """How many elements, in which layers, and what activations and ranks add to that."""
-    counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {', '.join(bad[:8])}"
+    shown = ", ".join(bad[:SHOWN_LAYERS])
+    counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {shown}"
     if not record.counted:
         counts = (
-            f"{kind} in {len(bad)} layer(s): {', '.join(bad[:8])} (elements not counted: "
+            f"{kind} in {len(bad)} layer(s): {shown} (elements not counted: "
             "a step between logged steps, latched on the accelerator)"
         )
     if record.activation_origin is not None:
