@@ -40,6 +40,7 @@ class DeadCheck(Check):
         self._runs = Runs(len(book.names))
 
     def check(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
+        """The layers (``idx``: their positions in depth order) past their patience."""
         norms = record.column("norm")
         finite = np.isfinite(norms)
         active = self.book.enabled("dead", idx) & finite

@@ -52,6 +52,7 @@ class JumpCheck(Check):
         self.kinds = kinds
 
     def check(self, record: StepRecord) -> list[AlertEvent]:
+        """The breaks of every kind of layer at this step."""
         rms = record.column("rms")
         events: list[AlertEvent] = []
         for kind, rows in self.kinds.comparable(record).items():

@@ -30,6 +30,7 @@ class NonFiniteCheck(Check):
         self._weights_bad_since: int | None = None  # the first step whose weights were
 
     def check(self, record: StepRecord) -> list[AlertEvent]:
+        """One event for every layer whose gradient holds NaN or Inf, named by its origin."""
         nan_counts, inf_counts = record.column("nan"), record.column("inf")
         norms = record.column("norm")  # exact: non-finite only where an element is
         rows = np.flatnonzero((nan_counts > 0) | (inf_counts > 0) | ~np.isfinite(norms))

@@ -21,6 +21,7 @@ class VanishingCheck(Check):
         self._runs = Runs(len(book.names))
 
     def check(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
+        """The layers (``idx``: their positions in depth order) past their patience."""
         norms = record.column("norm")
         active = self.book.enabled("vanishing", idx) & np.isfinite(norms)
         threshold = self.book.param("vanishing", "threshold", idx)
