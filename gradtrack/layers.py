@@ -50,9 +50,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def _owned_parameters(
-    model: nn.Module,
-) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+# A module that owns parameters: its layer name, the module, and its own (name, parameter)s.
+_Owner = tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]
+
+
+def _owned_parameters(model: nn.Module) -> list[_Owner]:
     seen: set[int] = set()
     owners = []
     for module_name, module in model.named_modules():
@@ -87,25 +89,7 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
             "before calling gradtrack.watch."
         )
 
-    candidates: list[Layer] = []
-    root_own: set[int] = set()
-    for module_name, module, own in owners:
-        if config.module_types and not isinstance(module, config.module_types):
-            continue
-        if config.granularity == "parameter":
-            candidates.extend(Layer(name, type(module), (name,), (p,)) for name, p in own)
-        else:
-            candidates.append(
-                Layer(
-                    module_name,
-                    type(module),
-                    tuple(name for name, _ in own),
-                    tuple(p for _, p in own),
-                )
-            )
-            if module is model:
-                root_own.add(id(candidates[-1]))
-
+    candidates, root_own = _candidates(model, owners, config)
     if not candidates:
         kinds = ", ".join(t.__name__ for t in config.module_types)
         raise GradtrackError(f"no module that owns parameters is of type {kinds}")
@@ -129,6 +113,34 @@ def discover_layers(model: nn.Module, config: GradtrackConfig) -> list[Layer]:
     if config.layer_keys == "depth":
         distinct = depth_ordered(distinct)
     return [replace(layer, name=name) for layer, name in zip(selected, distinct)]
+
+
+def _candidates(
+    model: nn.Module,
+    owners: list[_Owner],
+    config: GradtrackConfig,
+) -> tuple[list[Layer], set[int]]:
+    """The layers of the owners of the selected module types (per parameter or per module,
+    by ``granularity``), and the ids of those that hold the root module's own parameters."""
+    candidates: list[Layer] = []
+    root_own: set[int] = set()
+    for module_name, module, own in owners:
+        if config.module_types and not isinstance(module, config.module_types):
+            continue
+        if config.granularity == "parameter":
+            candidates.extend(Layer(name, type(module), (name,), (p,)) for name, p in own)
+        else:
+            candidates.append(
+                Layer(
+                    module_name,
+                    type(module),
+                    tuple(name for name, _ in own),
+                    tuple(p for _, p in own),
+                )
+            )
+            if module is model:
+                root_own.add(id(candidates[-1]))
+    return candidates, root_own
 
 
 def depth_ordered(names: Sequence[str]) -> list[str]:

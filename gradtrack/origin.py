@@ -115,7 +115,7 @@ class OriginProbe:
                 warnings.simplefilter("ignore")
                 if self._rng is not None:
                     torch.set_rng_state(self._rng)
-                found = _replay(model, names, args, kwargs, output_grads, self._rng)
+                found = _Replay(model, names, args, kwargs, output_grads, self._rng).origin()
                 if too_large and found.module is None:  # (the replay re-ran our hooks)
                     note = (
                         "the gradient reaching the model output is larger than "
@@ -137,78 +137,106 @@ class OriginProbe:
         self.forget()
 
 
-def _replay(
-    model: nn.Module,
-    names: dict[nn.Module, str],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    output_grads: list[Tensor],
-    rng: Tensor | None,
-) -> Origin:
-    # Flags stay on the device until the pass ends: one read per pass.
-    forward: list[tuple[str, Tensor]] = []  # (module, output finite), in execution order
-    backward: list[tuple[str, Tensor, Tensor]] = []  # (module, output grad, input grad finite)
+@dataclass(frozen=True)
+class _Replay:
+    """A bad step's forward and backward replayed from what the root module received, with a
+    check after every module (``names``: each module's path)."""
 
-    def after_forward(module: nn.Module, _args: Any, output: Any) -> None:
-        forward.append((names[module], _all_finite(_floats(output))))
+    model: nn.Module
+    names: dict[nn.Module, str]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output_grads: list[Tensor]
+    rng: Tensor | None
 
-    def after_backward(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
-        backward.append((names[module], _all_finite(list(grad_out)), _all_finite(list(grad_in))))
-
-    if not _finite(_floats((args, kwargs))):
-        return Origin(None, "forward", "the input batch itself holds NaN/Inf")
-    handles = [m.register_forward_hook(after_forward) for m in names]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    finite = _read([flag for _, flag in forward])
-    forward_bad = [name for (name, _), ok in zip(forward, finite) if not ok]
-    if forward_bad:
-        return Origin(_shown(forward_bad[0]), "forward", _FORWARD_NOTE)
-    if output_grads and not _finite(output_grads):
-        return Origin(None, "loss")
-    if not output_grads:
-        return Origin(None, None, "the model output had no gradient to replay")
-    handles = [m.register_full_backward_hook(after_backward) for m in names]
-    try:
-        if rng is not None:
-            torch.set_rng_state(rng)  # the same dropout masks as the first replay
-        with torch.enable_grad():
-            outputs = [t for t in _floats(model(*args, **kwargs)) if t.requires_grad]
-            params = [p for p in model.parameters() if p.requires_grad]
-            grads = torch.autograd.grad(
-                outputs, params, output_grads[: len(outputs)], allow_unused=True
+    def origin(self) -> Origin:
+        # Flags stay on the device until the pass ends: one read per pass.
+        if not _finite(_floats((self.args, self.kwargs))):
+            return Origin(None, "forward", "the input batch itself holds NaN/Inf")
+        forward_bad = self._forward_bad()
+        if forward_bad:
+            return Origin(_shown(forward_bad[0]), "forward", _FORWARD_NOTE)
+        if self.output_grads and not _finite(self.output_grads):
+            return Origin(None, "loss")
+        if not self.output_grads:
+            return Origin(None, None, "the model output had no gradient to replay")
+        made = self._backward_made()
+        if not made:
+            return Origin(
+                None,
+                None,
+                "the replay's backward stayed finite: the model's own forward and backward did "
+                "not make it (a gradient changed after backward — a hook, clipping code, a "
+                "collective — or what the replay cannot see) " + _FORWARD_NOTE,
             )
-    finally:
-        for handle in handles:
-            handle.remove()
-    # A module's own parameters' gradients count as its inputs' (a first layer has no other).
+        # Innermost: a module none of whose submodules also made it; the first in backward order.
+        inner = [name for name in made if not any(_inside(other, name) for other in made)]
+        return Origin(_shown(inner[0] if inner else made[0]), "backward", _FORWARD_NOTE)
+
+    def _forward_bad(self) -> list[str]:
+        """The modules whose output was non-finite in the forward, in execution order."""
+        forward: list[tuple[str, Tensor]] = []  # (module, output finite), in execution order
+
+        def after_forward(module: nn.Module, _args: Any, output: Any) -> None:
+            forward.append((self.names[module], _all_finite(_floats(output))))
+
+        handles = [m.register_forward_hook(after_forward) for m in self.names]
+        try:
+            with torch.no_grad():
+                self.model(*self.args, **self.kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        finite = _read([flag for _, flag in forward])
+        return [name for (name, _), ok in zip(forward, finite) if not ok]
+
+    def _backward_made(self) -> list[str]:
+        """The modules, in backward order, that made a non-finite gradient in the backward
+        from ``output_grads``: their output gradient was finite, and their input gradient (or
+        their own parameters') was not."""
+        names = self.names
+        backward: list[tuple[str, Tensor, Tensor]] = []  # (module, output/input gradient finite)
+
+        def after_backward(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+            backward.append(
+                (names[module], _all_finite(list(grad_out)), _all_finite(list(grad_in)))
+            )
+
+        handles = [m.register_full_backward_hook(after_backward) for m in names]
+        try:
+            if self.rng is not None:
+                torch.set_rng_state(self.rng)  # the same dropout masks as the first replay
+            with torch.enable_grad():
+                outputs = [
+                    t for t in _floats(self.model(*self.args, **self.kwargs)) if t.requires_grad
+                ]
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                grads = torch.autograd.grad(
+                    outputs, params, self.output_grads[: len(outputs)], allow_unused=True
+                )
+        finally:
+            for handle in handles:
+                handle.remove()
+        owners, own_flags = _own_gradients_finite(names, params, grads)
+        flags = _read([f for _, out_ok, in_ok in backward for f in (out_ok, in_ok)] + own_flags)
+        own_bad = {names[m] for m, ok in zip(owners, flags[2 * len(backward) :]) if not ok}
+        return [
+            name
+            for k, (name, _, _) in enumerate(backward)
+            if flags[2 * k] and (not flags[2 * k + 1] or name in own_bad)
+        ]
+
+
+def _own_gradients_finite(
+    names: dict[nn.Module, str], params: list[nn.Parameter], grads: Sequence[Tensor | None]
+) -> tuple[list[nn.Module], list[Tensor]]:
+    """The modules that own parameters, and per module (on the device) whether its own
+    parameters' gradients are finite: they count as its inputs' (a first layer has no
+    other)."""
     grad_of = {id(p): g for p, g in zip(params, grads)}
     owners = [m for m in names if any(True for _ in m.parameters(recurse=False))]
-    own_flags = [
-        _all_finite([grad_of.get(id(p)) for p in m.parameters(recurse=False)]) for m in owners
-    ]
-    flags = _read([f for _, out_ok, in_ok in backward for f in (out_ok, in_ok)] + own_flags)
-    own_bad = {names[m] for m, ok in zip(owners, flags[2 * len(backward) :]) if not ok}
-    made = [
-        name
-        for k, (name, _, _) in enumerate(backward)
-        if flags[2 * k] and (not flags[2 * k + 1] or name in own_bad)
-    ]
-    if not made:
-        return Origin(
-            None,
-            None,
-            "the replay's backward stayed finite: the model's own forward and backward did "
-            "not make it (a gradient changed after backward — a hook, clipping code, a "
-            "collective — or what the replay cannot see) " + _FORWARD_NOTE,
-        )
-    # Innermost: a module none of whose submodules also made it; the first in backward order.
-    inner = [name for name in made if not any(_inside(other, name) for other in made)]
-    return Origin(_shown(inner[0] if inner else made[0]), "backward", _FORWARD_NOTE)
+    flags = [_all_finite([grad_of.get(id(p)) for p in m.parameters(recurse=False)]) for m in owners]
+    return owners, flags
 
 
 def _inside(name: str, ancestor: str) -> bool:

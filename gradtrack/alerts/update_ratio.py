@@ -1,0 +1,60 @@
+"""The ``update_ratio`` rule: with ``update_signals``, layers whose update/weight ratio
+‖ΔW‖/‖W‖ says they learn far too fast or barely at all, for ``patience`` logged steps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradtrack.alerts.check import Check
+from gradtrack.alerts.cooldown import Cooldowns
+from gradtrack.alerts.event import AlertEvent
+from gradtrack.alerts.patience import Runs
+from gradtrack.alerts.rulebook import RuleBook
+from gradtrack.record import StepRecord
+
+
+class UpdateRatioCheck(Check):
+    """Counts, per layer, the logged steps in a row its ratio was out of range."""
+
+    def __init__(self, book: RuleBook, cooldowns: Cooldowns) -> None:
+        super().__init__(book, cooldowns)
+        self._runs = Runs(len(book.names))
+
+    def check(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
+        """Layers that learn far too fast or barely at all, for ``patience`` logged steps."""
+        ratios = record.update_ratios()
+        if ratios is None:
+            return []
+        active = self.book.enabled("update_ratio", idx) & np.isfinite(ratios)
+        high = self.book.param("update_ratio", "high", idx)
+        low = self.book.param("update_ratio", "low", idx)
+        fast, slow = ratios > high, (ratios > 0) & (ratios < low)
+        runs = self._runs.advance(idx, active, fast | slow)
+        patience = self.book.param("update_ratio", "patience", idx)
+        events: list[AlertEvent] = []
+        for j in np.flatnonzero(active & (runs >= patience)):
+            layer, ratio = record.layers[j], float(ratios[j])
+            limit = float(high[j] if fast[j] else low[j])
+            finding = _finding(layer, ratio, limit, int(runs[j]), bool(fast[j]))
+            events += self.cooldowns.emit(
+                record, "update_ratio", layer, statistic="update_ratio", value=ratio,
+                threshold=limit, message=finding,
+            )  # fmt: skip
+        return events
+
+
+def _finding(layer: str, ratio: float, limit: float, run: int, fast: bool) -> str:
+    if fast:
+        return (
+            f"each step moves {layer}'s weights by {ratio:.3g} of their norm, above "
+            f"{limit:.3g}, for {run} logged steps: it learns too fast (healthy "
+            "layers sit near 1e-3). Try: a lower learning rate for it (a parameter "
+            "group), a longer warmup, or clipping."
+        )
+    return (
+        f"each step moves {layer}'s weights by only {ratio:.3g} of their norm, "
+        f"below {limit:.3g}, for {run} logged steps: it barely learns "
+        "(healthy layers sit near 1e-3). Try: a higher learning rate for it, a "
+        "smaller weight decay, Adam's eps below the gradient's scale, or check it "
+        "is not meant to be frozen."
+    )
