@@ -124,11 +124,6 @@ class LocalNormProbe:
             [zero if n is None else n.to(device, torch.float64, non_blocking=True) for n in norms]
         )
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
 
 def rank_layer_norms(
     local_norms: np.ndarray, tensor_layer: np.ndarray, n_layers: int

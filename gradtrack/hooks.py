@@ -168,7 +168,3 @@ class ActivationProbe:
         order = self.order
         self.norms, self.order = [None] * len(self.norms), []
         return norms, order
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
