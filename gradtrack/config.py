@@ -358,7 +358,7 @@ class GradtrackConfig(BaseModel):
         default_factory=SkipOptions, description="Options of the rules whose action is skip."
     )
     histograms: HistogramOptions = Field(
-        default_factory=HistogramOptions, description="Gradient histograms."
+        default_factory=HistogramOptions, description="Gradient histograms (False: none)."
     )
     delivery: DeliveryOptions = Field(
         default_factory=DeliveryOptions, description="The worker's queue and batches."
@@ -503,8 +503,24 @@ RENAMED: dict[str, str] = {
     "console_interval_s": "console.interval_s",
     "update_signals.enabled": "update_signals",
 }
-# Sections with an on/off switch that a plain value stands for: spool=False.
-_SWITCHED = ("spool",)
+# Sections a plain on/off value stands for: spool=False, histograms=False (see _expand).
+_SWITCHED = ("spool", "histograms")
+
+
+def _expand(section: str, value: Any) -> Any:
+    """A section given as an on/off value: ``spool=False`` is ``spool={"enabled": False}``,
+    ``histograms=False`` is ``histograms={"every": None}`` (True: the defaults).
+
+    >>> _expand("histograms", False), _expand("histograms", True), _expand("spool", False)
+    ({'every': None}, {}, {'enabled': False})
+    """
+    if section not in _SWITCHED or isinstance(value, (Mapping, BaseModel)):
+        return value
+    if section == "spool":
+        return {"enabled": value}
+    if not isinstance(value, (bool, type(None))):
+        return value  # refused by validation: histograms takes a mapping or a bool
+    return {} if value else {"every": None}
 
 
 def migrate(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
@@ -518,8 +534,8 @@ def migrate(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, 
     """
     migrated = _copied(values)
     for name in _SWITCHED:
-        if name in migrated and not isinstance(migrated[name], (Mapping, BaseModel)):
-            migrated[name] = {"enabled": migrated[name]}
+        if name in migrated:
+            migrated[name] = _expand(name, migrated[name])
     moved: list[tuple[str, str]] = []
     for old, new in RENAMED.items():
         found, value = _pop(migrated, old.split("."))
@@ -654,8 +670,10 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     A double underscore reaches into a nested field: ``GRADTRACK_HISTOGRAMS__BINS``.
     ``GRADTRACK_SPOOL_DIR`` is the spool's folder (``spool.dir``), as it always was.
 
-    >>> read_env({"GRADTRACK_HISTOGRAMS__EVERY": "none", "GRADTRACK_SPOOL": "0"})
-    {'histograms': {'every': None}, 'spool': {'enabled': '0'}}
+    ``GRADTRACK_SPOOL=0`` and ``GRADTRACK_HISTOGRAMS=0`` switch those off.
+
+    >>> read_env({"GRADTRACK_HISTOGRAMS__BINS": "8", "GRADTRACK_SPOOL": "off"})
+    {'histograms': {'bins': '8'}, 'spool': {'enabled': False}}
     """
     values: dict[str, Any] = {}
     for name, raw in environ.items():
@@ -666,7 +684,8 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
             if name == ENV_SPOOL_DIR:
                 path = ["spool", "dir"]
             elif path[0] in _SWITCHED and len(path) == 1:
-                path = [path[0], "enabled"]
+                values.setdefault(path[0], {}).update(_expand(path[0], _switch(name, raw)))
+                continue
             target = values
             for part in path[:-1]:
                 target = target.setdefault(part, {})
