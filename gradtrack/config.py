@@ -163,11 +163,14 @@ class SkipOptions(BaseModel):
     )
 
 
+# transitional: removed once consumers use the sections. update_signals is a plain switch
+# (it was a one-field section, update_signals.enabled); consumers still read
+# config.update_signals.enabled, so the switch lives in this model until they read
+# config.update_signals as a bool. Then the field becomes `update_signals: bool = False`, and
+# this class, its validator and serializer in GradtrackConfig and its line in
+# _explicit_fields go.
 class UpdateSignals(BaseModel):
-    """transitional: removed once consumers use the sections. ``update_signals`` is a plain
-    switch (it was a one-field section, ``update_signals.enabled``); consumers still read
-    ``config.update_signals.enabled``, so the switch is held in this model until they read
-    ``config.update_signals`` as a bool, when the field becomes ``bool``."""
+    """The ``update_signals`` switch; it dumps, and is given, as a plain bool."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -386,11 +389,13 @@ class GradtrackConfig(BaseModel):
             warn_renamed(moved)
         return migrated
 
+    # transitional: removed once consumers use the sections (see UpdateSignals)
     @field_validator("update_signals", mode="before")
     @classmethod
     def _a_switch(cls, value: Any) -> Any:
         return value if isinstance(value, (UpdateSignals, Mapping)) else {"enabled": value}
 
+    # transitional: removed once consumers use the sections (see UpdateSignals)
     @field_serializer("update_signals")
     def _switch_value(self, value: UpdateSignals) -> bool:
         return value.enabled
@@ -541,7 +546,7 @@ def migrate(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, 
         found, value = _pop(migrated, old.split("."))
         if not found:
             continue
-        if _pop(_copied(migrated), new.split("."))[0]:
+        if _has(migrated, new.split(".")):
             raise GradtrackConfigError(
                 f"{old} and {new} are the same option, given twice: keep only {new}"
             )
@@ -568,6 +573,14 @@ def _pop(values: dict[str, Any], path: list[str]) -> tuple[bool, Any]:
     if found and not inner:
         del values[head]
     return found, value
+
+
+def _has(values: Any, path: list[str]) -> bool:
+    for part in path:
+        if not isinstance(values, Mapping) or part not in values:
+            return False
+        values = values[part]
+    return True
 
 
 def _put(values: dict[str, Any], path: list[str], value: Any) -> None:
@@ -776,7 +789,7 @@ def _explicit_fields(model: BaseModel) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for name in model.model_fields_set:
         value = getattr(model, name)
-        if isinstance(value, UpdateSignals):  # transitional: a plain bool once consumers are
+        if isinstance(value, UpdateSignals):  # transitional: removed with UpdateSignals
             value = value.enabled
         fields[name] = _explicit_fields(value) if isinstance(value, BaseModel) else value
     return fields
