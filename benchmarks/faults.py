@@ -74,7 +74,7 @@ def run(fault: str, steps: int, pace_s: float, root: Path) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             watcher = gradtrack.watch(
-                model, backend=backends, optimizer=optimizer, log_every=1, hist_every=None,
+                model, backend=backends, optimizer=optimizer, log_every=1, histograms=False,
                 flush_timeout_s=300, mlflow={"tracking_uri": uri, "retry_max_s": 2},
             )  # fmt: skip
             faulting = None if inject is None else threading.Thread(target=inject, args=(server,))

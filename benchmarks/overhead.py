@@ -117,17 +117,17 @@ VARIANTS: dict[str, Setup] = {
     "floor": floor,
     # gradtrack's every-step guard alone: no step is ever logged, so what remains is the
     # one exact L2 pass (and finite check) it makes at every step.
-    "guard": gradtrack_variant(log_every=10**9, hist_every=None),
+    "guard": gradtrack_variant(log_every=10**9, histograms=False),
     # The same without the every-step spike statistics (on by default: `gradtrack.spike`).
     "guard,no spike": gradtrack_variant(
-        log_every=10**9, hist_every=None, alerts={"spike": {"enabled": False}}
+        log_every=10**9, histograms=False, alerts={"spike": {"enabled": False}}
     ),
     "recipe": recipe,
     "wandb.watch": wandb_watch,
-    "summaries": gradtrack_variant(log_every=1, hist_every=None),
+    "summaries": gradtrack_variant(log_every=1, histograms=False),
     # Every statistic of every layer at every step (max and mean |g| too: three passes).
-    "summaries,all": gradtrack_variant(log_every=1, hist_every=None, layer_every=1),
-    "+histograms": gradtrack_variant(log_every=1, hist_every=1),
+    "summaries,all": gradtrack_variant(log_every=1, histograms=False, layer_every=1),
+    "+histograms": gradtrack_variant(log_every=1, histograms={"every": 1}),
     "defaults+mlflow": gradtrack_variant(backend="mlflow"),
     # A raise rule: the rules run in the training thread and the guard's verdict is read at
     # every step (free on the CPU; one synchronisation per step on an accelerator).
@@ -143,7 +143,7 @@ VARIANTS: dict[str, Setup] = {
     ),
     # ‖W‖ and ‖ΔW‖ on logged steps: a copy of the weights before each logged optimizer step.
     "defaults+update signals": gradtrack_variant(update_signals=True),
-    "activations": gradtrack_variant(log_every=1, hist_every=None, activations=True),
+    "activations": gradtrack_variant(log_every=1, histograms=False, activations=True),
 }
 
 

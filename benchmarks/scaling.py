@@ -41,7 +41,7 @@ def _ratio(
         watcher = None
         if name == "summaries":
             watcher = gradtrack.watch(
-                model, backend=MemorySink(), optimizer=optimizer, log_every=1, hist_every=None
+                model, backend=MemorySink(), optimizer=optimizer, log_every=1, histograms=False
             )
         runs[name] = (model, optimizer, watcher, [])
     for round_ in range(rounds + 1):
@@ -125,8 +125,8 @@ def memory(steps: int = 20_000, queue_size: int = 64) -> None:
     sink = SlowSink()
     inputs = torch.randn(16, 32)
     watcher = gradtrack.watch(
-        model, backend=sink, optimizer=optimizer, log_every=1, hist_every=10,
-        queue_size=queue_size, max_batch_steps=1, batch_wait_s=0.0,
+        model, backend=sink, optimizer=optimizer, log_every=1, histograms={"every": 10},
+        delivery={"queue_size": queue_size, "max_batch_steps": 1, "batch_wait_s": 0.0},
     )  # fmt: skip
     print("logged steps | RSS MiB | queued | dropped | delivered")
     most_queued = 0

@@ -76,7 +76,7 @@ def main() -> None:
     )
     parser.add_argument("--config", default="{}", help='more options, JSON: {"layer_every": 1}')
     args = parser.parse_args()
-    options: dict[str, Any] = {} if args.defaults else {"log_every": 1, "hist_every": None}
+    options: dict[str, Any] = {} if args.defaults else {"log_every": 1, "histograms": False}
     options.update(json.loads(args.config))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; backend "
           f"{args.backend}, {options or 'defaults'}; ms per training step")  # fmt: skip

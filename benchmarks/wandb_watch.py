@@ -63,7 +63,8 @@ def measure(model_name: str, freq: int, rounds: int, steps: int, run: Any) -> di
         elif name == "gradtrack":
             watcher = gradtrack.watch(
                 model, backend="wandb", optimizer=variant.optimizer, log_every=freq,
-                hist_every=freq, model_name=f"{model_name}{freq}", wandb={"profile_every": None},
+                histograms={"every": freq}, model_name=f"{model_name}{freq}",
+                wandb={"profile_every": None},
             )  # fmt: skip
             variant.close = watcher.close
             gradtrack_watcher = watcher

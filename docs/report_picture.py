@@ -28,7 +28,8 @@ def train(name: str, uri: str) -> str:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(1)
     with gradtrack.watch(
-        model, backend="mlflow", optimizer=optimizer, log_every=2, layer_every=2, hist_every=4,
+        model, backend="mlflow", optimizer=optimizer, log_every=2, layer_every=2,
+        histograms={"every": 4},
         mlflow={"tracking_uri": uri, "experiment": "readme", "run_name": name, "pictures": False},
     ) as watcher:  # fmt: skip
         for step in range(80):

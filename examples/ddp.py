@@ -51,7 +51,7 @@ def main() -> None:
         optimizer=optimizer,
         log_every=args.log_every,
         distributed={"gather_ranks": args.gather_ranks},
-        console_interval_s=0,
+        console={"interval_s": 0},
     ):
         for _ in range(args.steps):
             x = torch.randn(64, 32, generator=generator).to(device)

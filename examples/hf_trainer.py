@@ -43,7 +43,7 @@ def main() -> None:
                 save_strategy="no", report_to=args.report_to, use_cpu=True, disable_tqdm=True,
             ),
             train_dataset=RandomTokens(),
-            callbacks=[GradtrackCallback(log_every=10, console_interval_s=0)],
+            callbacks=[GradtrackCallback(log_every=10, console={"interval_s": 0})],
         )  # fmt: skip
         trainer.train()
 

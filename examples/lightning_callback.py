@@ -47,7 +47,7 @@ def main() -> None:
     trainer = Trainer(
         max_steps=args.steps, accelerator="cpu", logger=logger, log_every_n_steps=10,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[GradtrackCallback(log_every=10, console_interval_s=0)],
+        callbacks=[GradtrackCallback(log_every=10, console={"interval_s": 0})],
     )  # fmt: skip
     trainer.fit(Regressor(), data)
 

@@ -67,7 +67,7 @@ def main() -> None:
         optimizer=optimizer,
         log_every=args.log_every,
         layer_every=args.layer_every,
-        console_interval_s=1.0,
+        console={"interval_s": 1.0},
         mlflow={"experiment": "gradtrack-quickstart"},
     )
     start = time.perf_counter()

@@ -69,7 +69,7 @@ def main() -> None:
         backend=args.backend,
         optimizer=optimizer,
         log_every=args.log_every,
-        console_interval_s=0,
+        console={"interval_s": 0},
     ):
         for _ in range(args.steps):
             x = torch.randn(16, width, generator=generator)

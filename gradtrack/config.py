@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import typing
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -25,6 +26,7 @@ from pydantic import (
     ValidationError,
     field_serializer,
     field_validator,
+    model_validator,
 )
 
 from gradtrack.errors import GradtrackConfigError
@@ -39,8 +41,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 ENV_PREFIX = "GRADTRACK_"
 ENV_CONFIG_FILE = "GRADTRACK_CONFIG"
 ENV_DISABLED = "GRADTRACK_DISABLED"  # the off switch: sets enabled=False
+ENV_SPOOL_DIR = "GRADTRACK_SPOOL_DIR"  # spool.dir (also read where no config is: gradtrack sync)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
+ENV_SOURCE = "environment variable"
 ConfigSource = Union["GradtrackConfig", Mapping[str, Any], str, os.PathLike, None]
 # No timeout or interval is meant to be longer: an infinite one would hang close() forever.
 _HOUR_S = 3600.0
@@ -141,19 +145,6 @@ class DistributedOptions(BaseModel):
     )
 
 
-class UpdateSignals(BaseModel):
-    """Optimizer-aware signals on logged steps: param_norm/, update_norm/, update_ratio/."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = Field(
-        False,
-        description="Measure, on logged steps, each layer's weight norm and the norm of the "
-        "update optimizer.step() applied (needs optimizer=). Costs one copy of the trainable "
-        "parameters, kept for reuse, and two norm passes per logged step.",
-    )
-
-
 class SkipOptions(BaseModel):
     """What rules whose action is ``skip`` do beyond leaving the step out."""
 
@@ -172,11 +163,129 @@ class SkipOptions(BaseModel):
     )
 
 
+# transitional: removed once consumers use the sections. update_signals is a plain switch
+# (it was a one-field section, update_signals.enabled); consumers still read
+# config.update_signals.enabled, so the switch lives in this model until they read
+# config.update_signals as a bool. Then the field becomes `update_signals: bool = False`, and
+# this class, its validator and serializer in GradtrackConfig and its line in
+# _explicit_fields go.
+class UpdateSignals(BaseModel):
+    """The ``update_signals`` switch; it dumps, and is given, as a plain bool."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+
+    def __bool__(self) -> bool:
+        return self.enabled
+
+
+class HistogramOptions(BaseModel):
+    """How often gradients are sampled for histograms, and how those are binned."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    every: PositiveInt | None = Field(
+        100, description="Sample gradients for histograms every N-th step; None turns them off."
+    )
+    bins: int = Field(64, ge=2, le=4096, description="Bins per histogram.")
+    sample_size: PositiveInt = Field(
+        4096, description="Gradient elements sampled per layer for a histogram."
+    )
+    scale: Literal["linear", "log"] = Field(
+        "linear", description="Bin gradient values, or log10 |g| for gradients spanning decades."
+    )
+    seed: int = Field(
+        0, ge=0, lt=2**63, description="Seed of the generator that samples those elements."
+    )
+
+
+class DeliveryOptions(BaseModel):
+    """How logged steps travel from the training loop to the sinks: the worker's queue, the
+    batches it hands on, and what each sink may keep waiting in memory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queue_size: PositiveInt = Field(
+        10_000,
+        description="Steps waiting for the worker, at most: room for the worker to fall "
+        "behind a fast loop for a while (a tracker's SDK loading, a busy machine).",
+    )
+    queue_mib: PositiveInt = Field(
+        256,
+        description="Memory the steps waiting for the worker may hold, at most (MiB): "
+        "whichever of the two bounds is reached first applies.",
+    )
+    queue_full: Literal["drop_oldest", "block"] = Field(
+        "drop_oldest", description="When the queue is full: drop the oldest step, or wait."
+    )
+    max_batch_steps: PositiveInt = Field(32, description="Steps handed to a sink in one write.")
+    batch_wait_s: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        allow_inf_nan=False,
+        description="How long the worker lets steps gather before handing them on.",
+    )
+    sink_buffer_steps: PositiveInt = Field(
+        10_000,
+        description="Steps waiting in memory for one sink that has no spool (memory, "
+        "console, W&B, your own); past it the oldest are dropped, counted and logged as "
+        "gradtrack/dropped.",
+    )
+
+
+class SpoolOptions(BaseModel):
+    """The local spool tracker sinks deliver from. ``spool=False`` is short for
+    ``spool={"enabled": False}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        True,
+        description="Write every record and alert to a local spool before a tracker sink "
+        "(W&B, MLflow) gets it; what a tracker has not confirmed stays there "
+        "(`gradtrack sync PATH` delivers it later).",
+    )
+    dir: Path | None = Field(
+        None,
+        description="Where spools live; default $GRADTRACK_SPOOL_DIR, else "
+        "~/.cache/gradtrack/spool. A delivered run leaves nothing there.",
+    )
+    mib: PositiveInt = Field(
+        2048,
+        description="Disk the undelivered items of one run may take (MiB); past it new "
+        "steps are dropped, counted and logged as gradtrack/dropped.",
+    )
+
+    def __bool__(self) -> bool:
+        # transitional: removed once consumers use the sections (they test `config.spool`)
+        return self.enabled
+
+
+class ConsoleOptions(BaseModel):
+    """The console sink's options."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    interval_s: float = Field(
+        5.0,
+        ge=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
+        description="Print a table at most this often.",
+    )
+
+
 class GradtrackConfig(BaseModel):
     """Everything that decides what gradtrack watches, how often, and how it hands data on.
 
-    >>> GradtrackConfig(log_every=5).log_every
-    5
+    The most common options sit at the top level; the others in sections (``histograms``,
+    ``delivery``, ``spool``, ``console``, ``wandb``, ``mlflow``, ``distributed``, ``skip``,
+    ``alerts``), given as dicts: ``histograms={"every": 50}``.
+
+    >>> GradtrackConfig(log_every=5, histograms={"bins": 32}).histograms.bins
+    32
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
@@ -187,16 +296,6 @@ class GradtrackConfig(BaseModel):
         "writes nothing, so a script keeps its watch line where gradtrack should stay off.",
     )
     log_every: PositiveInt = Field(10, description="Summarise every N-th step (step 0 included).")
-    hist_every: PositiveInt | None = Field(
-        100, description="Sample gradients for histograms every N-th step; None turns them off."
-    )
-    hist_bins: int = Field(64, ge=2, le=4096, description="Bins per histogram.")
-    hist_sample_size: PositiveInt = Field(
-        4096, description="Gradient elements sampled per layer for a histogram."
-    )
-    hist_scale: Literal["linear", "log"] = Field(
-        "linear", description="Bin gradient values, or log10 |g| for gradients spanning decades."
-    )
     granularity: Literal["layer", "parameter"] = Field(
         "layer", description="Summarise per module that owns parameters, or per parameter."
     )
@@ -213,49 +312,6 @@ class GradtrackConfig(BaseModel):
     module_types: tuple[type[torch.nn.Module], ...] = Field(
         (), description="Watch only modules of these types (classes or torch.nn names)."
     )
-    queue_size: PositiveInt = Field(
-        10_000,
-        description="Steps waiting for the worker, at most: room for the worker to fall "
-        "behind a fast loop for a while (a tracker's SDK loading, a busy machine).",
-    )
-    queue_mib: PositiveInt = Field(
-        256,
-        description="Memory the steps waiting for the worker may hold, at most (MiB): "
-        "whichever of the two bounds is reached first applies.",
-    )
-    queue_full: Literal["drop_oldest", "block"] = Field(
-        "drop_oldest", description="When the queue is full: drop the oldest step, or wait."
-    )
-    max_batch_steps: PositiveInt = Field(32, description="Steps handed to a sink in one write.")
-    sink_buffer_steps: PositiveInt = Field(
-        10_000,
-        description="Steps waiting in memory for one sink that has no spool (memory, "
-        "console, W&B, your own); past it the oldest are dropped, counted and logged as "
-        "gradtrack/dropped.",
-    )
-    spool: bool = Field(
-        True,
-        description="Write every record and alert to a local spool before a tracker sink "
-        "(W&B, MLflow) gets it; what a tracker has not confirmed stays there "
-        "(`gradtrack sync PATH` delivers it later).",
-    )
-    spool_dir: Path | None = Field(
-        None,
-        description="Where spools live; default $GRADTRACK_SPOOL_DIR, else "
-        "~/.cache/gradtrack/spool. A delivered run leaves nothing there.",
-    )
-    spool_mib: PositiveInt = Field(
-        2048,
-        description="Disk the undelivered items of one run may take (MiB); past it new "
-        "steps are dropped, counted and logged as gradtrack/dropped.",
-    )
-    batch_wait_s: float = Field(
-        0.5,
-        ge=0,
-        le=60,
-        allow_inf_nan=False,
-        description="How long the worker lets steps gather before handing them on.",
-    )
     flush_timeout_s: float = Field(
         30.0,
         gt=0,
@@ -263,14 +319,6 @@ class GradtrackConfig(BaseModel):
         allow_inf_nan=False,
         description="How long close() waits for sinks.",
     )
-    console_interval_s: float = Field(
-        5.0,
-        ge=0,
-        le=_HOUR_S,
-        allow_inf_nan=False,
-        description="The console sink prints a table at most this often.",
-    )
-    seed: int = Field(0, ge=0, lt=2**63, description="Seed of gradtrack's own sampling generator.")
     layer_metrics: tuple[Literal["norm", "max_abs", "mean_abs", "rms"], ...] = Field(
         ("norm", "max_abs", "mean_abs", "rms"),
         description="Per-layer statistics written as metrics (grad_norm/, grad_max/, "
@@ -296,29 +344,61 @@ class GradtrackConfig(BaseModel):
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."
     )
-    alerts: AlertRules = Field(default_factory=AlertRules, description="Alert rules.")
+    update_signals: UpdateSignals = Field(
+        default_factory=UpdateSignals,
+        description="Also measure, on logged steps, each layer's weight norm and the norm of "
+        "the update optimizer.step() applied (needs optimizer=): param_norm/, update_norm/, "
+        "update_ratio/. Costs one copy of the trainable parameters, kept for reuse, and two "
+        "norm passes per logged step; see docs/signals.md.",
+    )
     model_name: str | None = Field(
         None,
         description="Name put after each metric family (grad_norm/<model_name>/<layer>) so "
         "several watched models can share one run.",
+    )
+    alerts: AlertRules = Field(default_factory=AlertRules, description="Alert rules.")
+    skip: SkipOptions = Field(
+        default_factory=SkipOptions, description="Options of the rules whose action is skip."
+    )
+    histograms: HistogramOptions = Field(
+        default_factory=HistogramOptions, description="Gradient histograms (False: none)."
+    )
+    delivery: DeliveryOptions = Field(
+        default_factory=DeliveryOptions, description="The worker's queue and batches."
+    )
+    spool: SpoolOptions = Field(
+        default_factory=SpoolOptions, description="The local spool (False: none)."
+    )
+    console: ConsoleOptions = Field(
+        default_factory=ConsoleOptions, description="Console sink options."
     )
     wandb: WandbOptions = Field(default_factory=WandbOptions, description="W&B sink options.")
     mlflow: MlflowOptions = Field(default_factory=MlflowOptions, description="MLflow options.")
     distributed: DistributedOptions = Field(
         default_factory=DistributedOptions, description="torch.distributed options."
     )
-    update_signals: UpdateSignals = Field(
-        default_factory=UpdateSignals,
-        description="Update/weight ratios per layer (True: on); see docs/signals.md.",
-    )
-    skip: SkipOptions = Field(
-        default_factory=SkipOptions, description="Options of the rules whose action is skip."
-    )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_options(cls, data: Any) -> Any:
+        """Old flat names (``hist_bins``) still work, for one release, with a warning."""
+        if not isinstance(data, Mapping):
+            return data
+        migrated, moved = migrate(data)
+        if moved:
+            warn_renamed(moved)
+        return migrated
+
+    # transitional: removed once consumers use the sections (see UpdateSignals)
     @field_validator("update_signals", mode="before")
     @classmethod
-    def _switch_is_enough(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
+    def _a_switch(cls, value: Any) -> Any:
+        return value if isinstance(value, (UpdateSignals, Mapping)) else {"enabled": value}
+
+    # transitional: removed once consumers use the sections (see UpdateSignals)
+    @field_serializer("update_signals")
+    def _switch_value(self, value: UpdateSignals) -> bool:
+        return value.enabled
 
     @field_validator("include", "exclude", "layer_metrics", mode="before")
     @classmethod
@@ -336,8 +416,205 @@ class GradtrackConfig(BaseModel):
             value = (value,)
         return tuple(_resolve_module_type(v) if isinstance(v, str) else v for v in value)
 
+    # transitional: removed once consumers use the sections
+    @property
+    def hist_every(self) -> int | None:
+        return self.histograms.every
+
+    # transitional: removed once consumers use the sections
+    @property
+    def hist_bins(self) -> int:
+        return self.histograms.bins
+
+    # transitional: removed once consumers use the sections
+    @property
+    def hist_sample_size(self) -> int:
+        return self.histograms.sample_size
+
+    # transitional: removed once consumers use the sections
+    @property
+    def hist_scale(self) -> Literal["linear", "log"]:
+        return self.histograms.scale
+
+    # transitional: removed once consumers use the sections
+    @property
+    def seed(self) -> int:
+        return self.histograms.seed
+
+    # transitional: removed once consumers use the sections
+    @property
+    def queue_size(self) -> int:
+        return self.delivery.queue_size
+
+    # transitional: removed once consumers use the sections
+    @property
+    def queue_mib(self) -> int:
+        return self.delivery.queue_mib
+
+    # transitional: removed once consumers use the sections
+    @property
+    def queue_full(self) -> Literal["drop_oldest", "block"]:
+        return self.delivery.queue_full
+
+    # transitional: removed once consumers use the sections
+    @property
+    def max_batch_steps(self) -> int:
+        return self.delivery.max_batch_steps
+
+    # transitional: removed once consumers use the sections
+    @property
+    def batch_wait_s(self) -> float:
+        return self.delivery.batch_wait_s
+
+    # transitional: removed once consumers use the sections
+    @property
+    def sink_buffer_steps(self) -> int:
+        return self.delivery.sink_buffer_steps
+
+    # transitional: removed once consumers use the sections
+    @property
+    def spool_dir(self) -> Path | None:
+        return self.spool.dir
+
+    # transitional: removed once consumers use the sections
+    @property
+    def spool_mib(self) -> int:
+        return self.spool.mib
+
+    # transitional: removed once consumers use the sections
+    @property
+    def console_interval_s(self) -> float:
+        return self.console.interval_s
+
 
 FIELDS: tuple[str, ...] = tuple(GradtrackConfig.model_fields)
+
+# Where the options of earlier releases live now: load_config, and GradtrackConfig itself,
+# still take the old names, for one release, with one DeprecationWarning naming old -> new.
+RENAMED: dict[str, str] = {
+    "hist_every": "histograms.every",
+    "hist_bins": "histograms.bins",
+    "hist_sample_size": "histograms.sample_size",
+    "hist_scale": "histograms.scale",
+    "seed": "histograms.seed",
+    "queue_size": "delivery.queue_size",
+    "queue_mib": "delivery.queue_mib",
+    "queue_full": "delivery.queue_full",
+    "max_batch_steps": "delivery.max_batch_steps",
+    "batch_wait_s": "delivery.batch_wait_s",
+    "sink_buffer_steps": "delivery.sink_buffer_steps",
+    "spool_dir": "spool.dir",
+    "spool_mib": "spool.mib",
+    "console_interval_s": "console.interval_s",
+    "update_signals.enabled": "update_signals",
+}
+# Sections a plain on/off value stands for: spool=False, histograms=False (see _expand).
+_SWITCHED = ("spool", "histograms")
+
+
+def _expand(section: str, value: Any) -> Any:
+    """A section given as an on/off value: ``spool=False`` is ``spool={"enabled": False}``,
+    ``histograms=False`` is ``histograms={"every": None}`` (True: the defaults).
+
+    >>> _expand("histograms", False), _expand("histograms", True), _expand("spool", False)
+    ({'every': None}, {}, {'enabled': False})
+    """
+    if section not in _SWITCHED or isinstance(value, (Mapping, BaseModel)):
+        return value
+    if section == "spool":
+        return {"enabled": value}
+    if not isinstance(value, (bool, type(None))):
+        return value  # refused by validation: histograms takes a mapping or a bool
+    return {} if value else {"every": None}
+
+
+def migrate(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``values`` with every old name moved to its new place, and the (old, new) pairs moved.
+
+    >>> migrated, moved = migrate({"hist_bins": 8, "spool": False, "spool_mib": 9})
+    >>> migrated
+    {'spool': {'enabled': False, 'mib': 9}, 'histograms': {'bins': 8}}
+    >>> moved
+    [('hist_bins', 'histograms.bins'), ('spool_mib', 'spool.mib')]
+    """
+    migrated = _copied(values)
+    for name in _SWITCHED:
+        if name in migrated:
+            migrated[name] = _expand(name, migrated[name])
+    moved: list[tuple[str, str]] = []
+    for old, new in RENAMED.items():
+        found, value = _pop(migrated, old.split("."))
+        if not found:
+            continue
+        if _has(migrated, new.split(".")):
+            raise GradtrackConfigError(
+                f"{old} and {new} are the same option, given twice: keep only {new}"
+            )
+        _put(migrated, new.split("."), value)
+        moved.append((old, new))
+    return migrated, moved
+
+
+def _copied(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _copied(v) if isinstance(v, Mapping) else v for k, v in values.items()}
+
+
+def _pop(values: dict[str, Any], path: list[str]) -> tuple[bool, Any]:
+    """Take ``path`` out of nested dicts (dropping a dict it leaves empty): (found, value)."""
+    head, *rest = path
+    if head not in values:
+        return False, None
+    if not rest:
+        return True, values.pop(head)
+    inner = values[head]
+    if not isinstance(inner, dict):
+        return False, None
+    found, value = _pop(inner, rest)
+    if found and not inner:
+        del values[head]
+    return found, value
+
+
+def _has(values: Any, path: list[str]) -> bool:
+    for part in path:
+        if not isinstance(values, Mapping) or part not in values:
+            return False
+        values = values[part]
+    return True
+
+
+def _put(values: dict[str, Any], path: list[str], value: Any) -> None:
+    head, *rest = path
+    if not rest:
+        values[head] = value
+        return
+    inner = values.get(head)
+    if isinstance(inner, BaseModel):
+        inner = _explicit_fields(inner)
+    values[head] = inner = dict(inner or {})
+    _put(inner, rest, value)
+
+
+def warn_renamed(moved: list[tuple[str, str]]) -> None:
+    """One DeprecationWarning naming each old name and its new place, pointed at the first
+    caller outside gradtrack (and pydantic), where the old name was written."""
+    renames = ", ".join(f"{old} → {new}" for old, new in moved)
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+        "gradtrack",
+        "pydantic",
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"gradtrack options renamed: {renames}. The old names stop working in the next "
+        "release (CHANGELOG.md lists every rename).",
+        DeprecationWarning,
+        stacklevel=level,
+    )
+
+
+def _env_name(dotted: str) -> str:
+    return ENV_PREFIX + dotted.upper().replace(".", "__")
 
 
 def _resolve_module_type(name: str) -> type:
@@ -403,7 +680,13 @@ def _env_value(field: str, raw: str) -> Any:
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     """Config fields from ``GRADTRACK_<FIELD>`` variables (``GRADTRACK_CONFIG`` names a file).
 
-    A double underscore reaches into a nested field: ``GRADTRACK_ALERTS__EXPLODING__THRESHOLD``.
+    A double underscore reaches into a nested field: ``GRADTRACK_HISTOGRAMS__BINS``.
+    ``GRADTRACK_SPOOL_DIR`` is the spool's folder (``spool.dir``), as it always was.
+
+    ``GRADTRACK_SPOOL=0`` and ``GRADTRACK_HISTOGRAMS=0`` switch those off.
+
+    >>> read_env({"GRADTRACK_HISTOGRAMS__BINS": "8", "GRADTRACK_SPOOL": "off"})
+    {'histograms': {'bins': '8'}, 'spool': {'enabled': False}}
     """
     values: dict[str, Any] = {}
     for name, raw in environ.items():
@@ -411,6 +694,11 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
             values["enabled"] = not _switch(name, raw)
         elif name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
             path = name[len(ENV_PREFIX) :].lower().split("__")
+            if name == ENV_SPOOL_DIR:
+                path = ["spool", "dir"]
+            elif path[0] in _SWITCHED and len(path) == 1:
+                values.setdefault(path[0], {}).update(_expand(path[0], _switch(name, raw)))
+                continue
             target = values
             for part in path[:-1]:
                 target = target.setdefault(part, {})
@@ -449,7 +737,8 @@ def load_config(
 ) -> GradtrackConfig:
     """Merge every source of configuration, in the documented precedence, and validate once.
 
-    >>> load_config({"log_every": 2}, {"hist_every": None}, environ={}).hist_every is None
+    >>> config = load_config({"log_every": 2}, {"histograms": {"every": None}}, environ={})
+    >>> config.histograms.every is None
     True
     """
     environ = os.environ if environ is None else environ
@@ -457,7 +746,7 @@ def load_config(
     if environ.get(ENV_CONFIG_FILE):
         path = environ[ENV_CONFIG_FILE]
         layers.append((f"file {path} (from {ENV_CONFIG_FILE})", read_config_file(path)))
-    layers.append(("environment variable", read_env(environ)))
+    layers.append((ENV_SOURCE, read_env(environ)))
     if isinstance(config, GradtrackConfig):
         layers.append(("config object", _explicit_fields(config)))
     elif isinstance(config, (str, os.PathLike)):
@@ -473,11 +762,22 @@ def load_config(
 
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    for source, values in layers:
+    renamed: list[tuple[str, str]] = []
+    for source, given in layers:
+        try:
+            values, moved = migrate(given)
+        except GradtrackConfigError as exc:
+            raise GradtrackConfigError(f"{exc} (in the {source})") from None
+        from_env = source == ENV_SOURCE
+        for old, new in moved:
+            renamed.append((_env_name(old), _env_name(new)) if from_env else (old, new))
+            origin[new] = _env_name(old) if from_env else f"{source}, as {old}"
         merged = _merge(merged, values)
         for key, value in values.items():
             env_name = ENV_PREFIX + key.upper() + ("__*" if isinstance(value, Mapping) else "")
-            origin[key] = env_name if source == "environment variable" else source
+            origin[key] = env_name if from_env else source
+    if renamed:
+        warn_renamed(renamed)
     try:
         return GradtrackConfig(**merged)
     except ValidationError as exc:
@@ -489,6 +789,8 @@ def _explicit_fields(model: BaseModel) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for name in model.model_fields_set:
         value = getattr(model, name)
+        if isinstance(value, UpdateSignals):  # transitional: removed with UpdateSignals
+            value = value.enabled
         fields[name] = _explicit_fields(value) if isinstance(value, BaseModel) else value
     return fields
 
@@ -496,12 +798,17 @@ def _explicit_fields(model: BaseModel) -> dict[str, Any]:
 def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
     lines = ["invalid gradtrack config:"]
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"])
-        where = origin.get(str(item["loc"][0]), "?")
+        loc = [str(part) for part in item["loc"]]
+        field = ".".join(loc)
+        prefixes = (".".join(loc[:n]) for n in range(len(loc), 0, -1))
+        where = next((origin[p] for p in prefixes if p in origin), "?")
         if item["type"] == "extra_forbidden":
             section, known = _section_fields(item["loc"][:-1])
-            close = difflib.get_close_matches(str(item["loc"][-1]), known, n=1)
-            hint = f"; did you mean {'.'.join([*section, close[0]])!r}?" if close else ""
+            # At the top level an old name's neighbour is suggested by its new name.
+            names = [*known, *(old for old in RENAMED if "." not in old)] if not section else known
+            close = difflib.get_close_matches(loc[-1], list(names), n=1)
+            suggested = RENAMED.get(close[0], ".".join([*section, close[0]])) if close else ""
+            hint = f"; did you mean {suggested!r}?" if close else ""
             of = f" of {'.'.join(section)}" if section else ""
             lines.append(
                 f"  unknown field {field!r} (from {where}){hint} "

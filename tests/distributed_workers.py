@@ -96,7 +96,7 @@ def _train(rank: int, case: Case) -> dict[str, Any]:
         backend="memory",
         optimizer=optimizer if case.with_optimizer else None,
         log_every=LOG_EVERY,
-        hist_every=None,
+        histograms=False,
         on_alert=events.append,
         distributed=distributed,
         **options,

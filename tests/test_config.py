@@ -9,15 +9,15 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.config import GradtrackConfig, load_config
+from gradtrack.config import RENAMED, GradtrackConfig, load_config
 from gradtrack.errors import GradtrackConfigError
 from gradtrack.sinks.memory import MemorySink
 
 
 def test_defaults() -> None:
     config = load_config(environ={})
-    assert (config.log_every, config.hist_every, config.hist_bins) == (10, 100, 64)
-    assert config.queue_full == "drop_oldest" and config.granularity == "layer"
+    assert (config.log_every, config.histograms.every, config.histograms.bins) == (10, 100, 64)
+    assert config.delivery.queue_full == "drop_oldest" and config.granularity == "layer"
 
 
 @pytest.mark.parametrize(
@@ -38,30 +38,32 @@ def test_config_files(tmp_path: Path, name: str, text: str) -> None:
 
 def test_precedence_file_env_config_overrides(tmp_path: Path) -> None:
     path = tmp_path / "gradtrack.toml"
-    path.write_text("log_every = 2\nhist_every = 7\nhist_bins = 9\nseed = 5\n")
+    path.write_text("log_every = 2\n[histograms]\nevery = 7\nbins = 9\nseed = 5\n")
     environ = {
         "GRADTRACK_CONFIG": str(path),
-        "GRADTRACK_HIST_EVERY": "11",
-        "GRADTRACK_HIST_BINS": "13",
+        "GRADTRACK_HISTOGRAMS__EVERY": "11",
+        "GRADTRACK_HISTOGRAMS__BINS": "13",
     }
-    config = load_config({"hist_bins": 17, "seed": 6}, {"seed": 8}, environ=environ)
+    config = load_config(
+        {"histograms": {"bins": 17, "seed": 6}}, {"histograms": {"seed": 8}}, environ=environ
+    )
     assert config.log_every == 2  # file
-    assert config.hist_every == 11  # env beats file
-    assert config.hist_bins == 17  # config= beats env
-    assert config.seed == 8  # keyword override beats everything
+    assert config.histograms.every == 11  # env beats file
+    assert config.histograms.bins == 17  # config= beats env
+    assert config.histograms.seed == 8  # keyword override beats everything
 
 
 def test_environment_values_are_parsed() -> None:
     environ = {
-        "GRADTRACK_HIST_EVERY": "none",
+        "GRADTRACK_HISTOGRAMS__EVERY": "none",
         "GRADTRACK_EXCLUDE": "head.*, *.bias",
         "GRADTRACK_MODULE_TYPES": "Linear,torch.nn.Conv2d",
-        "GRADTRACK_QUEUE_FULL": "block",
+        "GRADTRACK_DELIVERY__QUEUE_FULL": "block",
         "OTHER_LOG_EVERY": "x",
     }
     config = load_config(environ=environ)
-    assert config.hist_every is None and config.exclude == ("head.*", "*.bias")
-    assert config.module_types == (nn.Linear, nn.Conv2d) and config.queue_full == "block"
+    assert config.histograms.every is None and config.exclude == ("head.*", "*.bias")
+    assert config.module_types == (nn.Linear, nn.Conv2d) and config.delivery.queue_full == "block"
 
 
 def test_config_round_trips_through_json() -> None:
@@ -72,8 +74,9 @@ def test_config_round_trips_through_json() -> None:
 
 
 def test_a_config_object_only_contributes_what_was_set() -> None:
-    config = load_config(GradtrackConfig(log_every=4), environ={"GRADTRACK_HIST_BINS": "8"})
-    assert (config.log_every, config.hist_bins) == (4, 8)
+    environ = {"GRADTRACK_HISTOGRAMS__BINS": "8"}
+    config = load_config(GradtrackConfig(log_every=4), environ=environ)
+    assert (config.log_every, config.histograms.bins) == (4, 8)
 
 
 def test_misspelt_field_names_the_field_and_suggests_the_right_one() -> None:
@@ -93,20 +96,26 @@ def test_misspelt_environment_variable_is_named() -> None:
     ("overrides", "expected"),
     [
         ({"log_every": 0}, r"log_every = 0 .*greater than 0"),
-        ({"queue_full": "wait"}, r"queue_full = 'wait' .*'drop_oldest' or 'block'"),
+        (
+            {"delivery": {"queue_full": "wait"}},
+            r"delivery.queue_full = 'wait' .*'drop_oldest' or 'block'",
+        ),
         ({"granularity": "module"}, r"granularity = 'module' .*'layer' or 'parameter'"),
         ({"module_types": ["Linaer"]}, r"no module type 'Linaer'.*Linear"),
         ({"module_types": [int]}, r"module_types.0 = <class 'int'> .*subclass of Module"),
-        ({"hist_bins": 1}, r"hist_bins = 1 .*greater than or equal to 2"),
+        ({"histograms": {"bins": 1}}, r"histograms.bins = 1 .*greater than or equal to 2"),
         # Infinite or absurd times would hang close() or kill the worker: refused up front.
         ({"flush_timeout_s": float("inf")}, r"flush_timeout_s = inf .*finite number"),
-        ({"batch_wait_s": float("inf")}, r"batch_wait_s = inf .*finite number"),
-        ({"batch_wait_s": 120}, r"batch_wait_s = 120 .*less than or equal to 60"),
+        ({"delivery": {"batch_wait_s": float("inf")}}, r"batch_wait_s = inf .*finite number"),
+        ({"delivery": {"batch_wait_s": 120}}, r"batch_wait_s = 120 .*less than or equal to 60"),
         ({"flush_timeout_s": 1e9}, r"flush_timeout_s = 1000000000.0 .*less than or equal to 3600"),
         ({"mlflow": {"request_timeout_s": float("nan")}}, r"request_timeout_s = nan .*finite"),
         ({"mlflow": {"retry_max_s": 1e6}}, r"mlflow.retry_max_s .*less than or equal to 3600"),
-        ({"seed": 2**70}, r"seed = 1180591620717411303424 .*less than 9223372036854775808"),
-        ({"seed": -1}, r"seed = -1 .*greater than or equal to 0"),
+        (
+            {"histograms": {"seed": 2**70}},
+            r"seed = 1180591620717411303424 .*less than 9223372036854775808",
+        ),
+        ({"histograms": {"seed": -1}}, r"seed = -1 .*greater than or equal to 0"),
     ],
 )
 def test_invalid_values_name_field_value_and_what_is_allowed(
@@ -169,7 +178,9 @@ def test_layer_metrics_choose_the_per_layer_keys_and_name_the_allowed_values() -
 def test_a_worker_that_dies_mocked_says_why_and_training_and_close_go_on() -> None:
     """Mocked: no real input kills the worker thread any more, so its mailbox is broken."""
     model = nn.Linear(3, 1)
-    watcher = gradtrack.watch(model, backend=MemorySink(), log_every=1, queue_full="block")
+    watcher = gradtrack.watch(
+        model, backend=MemorySink(), log_every=1, delivery={"queue_full": "block"}
+    )
 
     def broken_take(*_: object) -> None:
         raise SystemError("worker bug")
@@ -193,6 +204,11 @@ def test_a_worker_that_dies_mocked_says_why_and_training_and_close_go_on() -> No
          "alerts.exploding.threshold", "cooldown_steps"),
         ({"mlflow": {"experiment_name": "x"}}, "mlflow.experiment_name",
          "mlflow.experiment", "tracking_uri"),
+        ({"histograms": {"bnis": 8}}, "histograms.bnis", "histograms.bins", "sample_size"),
+        ({"delivery": {"queue_sise": 8}}, "delivery.queue_sise", "delivery.queue_size",
+         "batch_wait_s"),
+        ({"spool": {"mb": 8}}, "spool.mb", "spool.mib", "dir"),
+        ({"console": {"interval": 1}}, "console.interval", "console.interval_s", "interval_s"),
     ],
 )  # fmt: skip
 def test_a_nested_typo_lists_its_sections_fields_and_suggests_the_closest(
@@ -204,3 +220,140 @@ def test_a_nested_typo_lists_its_sections_fields_and_suggests_the_closest(
     assert f"unknown field {field!r}" in message and f"did you mean {suggestion!r}" in message
     known = message.split("Known fields of ")[1]
     assert section_field in known and "log_every" not in known  # not the 30 top-level ones
+
+
+# Every option renamed in the smaller config, with a value that is not its default.
+OLD_NAMES: list[tuple[str, object]] = [
+    ("hist_every", 7),
+    ("hist_bins", 9),
+    ("hist_sample_size", 100),
+    ("hist_scale", "log"),
+    ("seed", 3),
+    ("queue_size", 5),
+    ("queue_mib", 7),
+    ("queue_full", "block"),
+    ("max_batch_steps", 4),
+    ("batch_wait_s", 0.1),
+    ("sink_buffer_steps", 6),
+    ("spool_dir", Path("/tmp/spools")),
+    ("spool_mib", 9),
+    ("console_interval_s", 1.5),
+    ("update_signals.enabled", True),
+]
+
+
+def _nested(dotted: str, value: object) -> dict[str, object]:
+    head, _, rest = dotted.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+def _at(config: GradtrackConfig, dotted: str) -> object:
+    value: object = config.model_dump()  # update_signals dumps as the plain switch it is
+    for part in dotted.split("."):
+        assert isinstance(value, dict)
+        value = value[part]
+    return value
+
+
+def test_every_old_name_is_listed() -> None:
+    assert [old for old, _ in OLD_NAMES] == list(RENAMED)
+
+
+@pytest.mark.parametrize(("old", "value"), OLD_NAMES)
+def test_an_old_name_lands_in_its_new_place_with_one_warning(old: str, value: object) -> None:
+    new = RENAMED[old]
+    with pytest.warns(DeprecationWarning) as caught:
+        config = load_config(overrides=_nested(old, value), environ={})
+    assert _at(config, new) == value
+    assert len(caught) == 1 and f"{old} → {new}" in str(caught[0].message)
+    assert caught[0].filename == __file__  # pointed at the line that wrote the old name
+
+
+def test_old_names_from_every_source_give_one_warning_naming_each(tmp_path: Path) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text("hist_every: 7\nconsole_interval_s: 2\n")
+    environ = {"GRADTRACK_HIST_BINS": "9", "GRADTRACK_QUEUE_FULL": "block"}
+    with pytest.warns(DeprecationWarning) as caught:
+        config = load_config(path, {"spool_mib": 3}, environ=environ)
+    assert (config.histograms.every, config.histograms.bins, config.console.interval_s) == (7, 9, 2)
+    assert (config.delivery.queue_full, config.spool.mib) == ("block", 3)
+    (warning,) = caught
+    message = str(warning.message)
+    for renamed in (
+        "hist_every → histograms.every",
+        "console_interval_s → console.interval_s",
+        "GRADTRACK_HIST_BINS → GRADTRACK_HISTOGRAMS__BINS",
+        "GRADTRACK_QUEUE_FULL → GRADTRACK_DELIVERY__QUEUE_FULL",
+        "spool_mib → spool.mib",
+    ):
+        assert renamed in message
+
+
+def test_old_names_keep_their_precedence_against_new_ones() -> None:
+    environ = {"GRADTRACK_HIST_BINS": "8", "GRADTRACK_HISTOGRAMS__EVERY": "4"}
+    with pytest.warns(DeprecationWarning, match="GRADTRACK_HIST_BINS"):
+        config = load_config({"histograms": {"bins": 9}}, {"hist_every": 5}, environ=environ)
+    assert (config.histograms.bins, config.histograms.every) == (9, 5)
+
+
+def test_old_names_work_in_watch_and_in_a_config_object() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.warns(DeprecationWarning, match="hist_every → histograms.every") as caught:
+        watcher = gradtrack.watch(model, "memory", hist_every=None)
+    watcher.close()
+    assert watcher.config.histograms.every is None and caught[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match="queue_size → delivery.queue_size") as caught:
+        config = GradtrackConfig(queue_size=3)  # type: ignore[call-arg]
+    assert config.delivery.queue_size == 3 and caught[0].filename == __file__
+
+
+def test_an_old_and_a_new_name_for_one_option_in_one_place_is_an_error() -> None:
+    with pytest.raises(GradtrackConfigError, match=r"hist_bins and histograms\.bins .*keyword"):
+        load_config(overrides={"hist_bins": 3, "histograms": {"bins": 4}}, environ={})
+
+
+def test_an_invalid_value_under_an_old_name_names_both_names() -> None:
+    with pytest.warns(DeprecationWarning), pytest.raises(GradtrackConfigError) as error:
+        load_config(overrides={"hist_scale": "lin"}, environ={})
+    assert "histograms.scale = 'lin' (from keyword argument, as hist_scale)" in str(error.value)
+    assert "'linear' or 'log'" in str(error.value)
+
+
+def test_a_misspelt_old_name_suggests_its_new_place() -> None:
+    with pytest.raises(GradtrackConfigError, match=r"did you mean 'histograms\.sample_size'"):
+        load_config(overrides={"hist_sample_sise": 5}, environ={})
+
+
+def test_environment_variables_reach_the_sections() -> None:
+    environ = {
+        "GRADTRACK_HISTOGRAMS__SCALE": "log",
+        "GRADTRACK_HISTOGRAMS__SEED": "4",
+        "GRADTRACK_DELIVERY__QUEUE_SIZE": "5",
+        "GRADTRACK_DELIVERY__BATCH_WAIT_S": "0.25",
+        "GRADTRACK_SPOOL__MIB": "9",
+        "GRADTRACK_CONSOLE__INTERVAL_S": "0.5",
+        "GRADTRACK_UPDATE_SIGNALS": "1",
+        "GRADTRACK_SPOOL_DIR": "/tmp/spools",  # as before: the spool's folder, no warning
+    }
+    config = load_config(environ=environ)
+    assert (config.histograms.scale, config.histograms.seed) == ("log", 4)
+    assert (config.delivery.queue_size, config.delivery.batch_wait_s) == (5, 0.25)
+    assert (config.spool.mib, config.spool.dir, config.console.interval_s) == (
+        9, Path("/tmp/spools"), 0.5,
+    )  # fmt: skip
+    assert config.update_signals.enabled
+
+
+def test_switches_stand_for_their_sections() -> None:
+    environ = {"GRADTRACK_SPOOL": "off", "GRADTRACK_HISTOGRAMS": "0"}
+    config = load_config(environ=environ)
+    assert not config.spool.enabled and config.histograms.every is None
+    config = load_config(
+        {"spool": False, "histograms": False}, {"spool": {"mib": 5}, "update_signals": True},
+        environ={},
+    )  # fmt: skip
+    assert (config.spool.enabled, config.spool.mib, config.histograms.every) == (False, 5, None)
+    dumped = config.model_dump(mode="json")
+    assert dumped["update_signals"] is True and GradtrackConfig(**dumped) == config
+    with pytest.raises(GradtrackConfigError, match="GRADTRACK_SPOOL='maybe' is not a switch"):
+        load_config(environ={"GRADTRACK_SPOOL": "maybe"})

@@ -221,7 +221,7 @@ def test_fsdp2_over_tensor_parallel_gives_the_full_gradients_statistics(tmp_path
     # (dp=2, tp=2): up Colwise, down Rowwise, the whole model fully_shard-ed over dp, so the
     # placements are (_StridedShard, Shard), (Shard, Shard), (Shard, Replicate), and the
     # norm's (Shard,) on each tp rank's own dp sub-mesh: every piece counted once.
-    histograms = {"hist_every": workers.LOG_EVERY, "hist_sample_size": 10_000}
+    histograms = {"histograms": {"every": workers.LOG_EVERY, "sample_size": 10_000}}
     rank0, *others = _launch(workers.Case("fsdp_tp", options=histograms), tmp_path)
 
     _assert_full_gradient_statistics(rank0, others)
@@ -237,7 +237,7 @@ def test_fsdp2_over_tensor_parallel_gives_the_full_gradients_statistics(tmp_path
 
 def test_hsdp_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
     # (replicate=2, shard=2): each piece is held twice; the replicas must not count double.
-    histograms = {"hist_every": workers.LOG_EVERY, "hist_sample_size": 9}
+    histograms = {"histograms": {"every": workers.LOG_EVERY, "sample_size": 9}}
     rank0, *others = _launch(workers.Case("hsdp", options=histograms), tmp_path)
 
     _assert_full_gradient_statistics(rank0, others)

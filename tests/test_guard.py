@@ -196,7 +196,10 @@ def test_constant_and_extreme_gradients_bin_and_keep_the_rules(
 ) -> None:
     grad = torch.tensor(values, dtype=torch.float32)
     sink = single_layer_step(
-        grad, log_every=1, hist_every=1, hist_scale=scale, alerts={"exploding": {"threshold": 1}}
+        grad,
+        log_every=1,
+        histograms={"every": 1, "scale": scale},
+        alerts={"exploding": {"threshold": 1}},
     )
     record = sink.records[0]
     histogram = record.histograms["root"]
@@ -218,7 +221,7 @@ def test_a_failing_histogram_mocked_costs_only_the_histograms(
     monkeypatch.setattr("gradtrack.assemble.bin_samples", broken)
     with pytest.warns(RuntimeWarning, match="could not build the histograms") as caught:
         sink = single_layer_step(
-            torch.full((100,), 5.0), steps=3, log_every=1, hist_every=1,
+            torch.full((100,), 5.0), steps=3, log_every=1, histograms={"every": 1},
             alerts={"exploding": {"threshold": 1, "cooldown_steps": 0}},
         )  # fmt: skip
     assert sum("histograms" in str(w.message) for w in caught) == 1  # reported once

@@ -40,7 +40,9 @@ def test_no_host_sync_in_the_training_thread(
 ) -> None:
     optimizer = NoUpdate(cnn.parameters())
     sink = MemorySink()
-    watcher = gradtrack.watch(cnn, backend=sink, optimizer=optimizer, log_every=2, hist_every=4)
+    watcher = gradtrack.watch(
+        cnn, backend=sink, optimizer=optimizer, log_every=2, histograms={"every": 4}
+    )
     watcher.collector.foreach_only = foreach_only
     recorder = OpRecorder()
     with recorder:
@@ -73,7 +75,11 @@ def test_foreach_path_ops_per_logged_step_do_not_grow_with_the_number_of_layers(
             watcher = None
             if watched:
                 watcher = gradtrack.watch(
-                    model, backend=MemorySink(), optimizer=optimizer, log_every=1, hist_every=None
+                    model,
+                    backend=MemorySink(),
+                    optimizer=optimizer,
+                    log_every=1,
+                    histograms=False,
                 )
                 watcher.collector.foreach_only = True  # the path CUDA takes
             recorder = OpRecorder()
@@ -94,7 +100,9 @@ def test_spike_statistics_every_step_read_nothing_on_the_accelerator_path(cnn: n
     steps is latched on the device: no value is read back per step."""
     optimizer = NoUpdate(cnn.parameters())
     sink = MemorySink()
-    watcher = gradtrack.watch(cnn, backend=sink, optimizer=optimizer, log_every=10, hist_every=None)
+    watcher = gradtrack.watch(
+        cnn, backend=sink, optimizer=optimizer, log_every=10, histograms=False
+    )
     watcher.collector.foreach_only = True
     watcher.guard_reads_host = False  # what an accelerator does between logged steps
     recorder = OpRecorder()

@@ -66,7 +66,7 @@ def test_a_watcher_with_the_dense_early_schedule_writes_enough_columns() -> None
 
     model = nn.Linear(4, 2)
     sink = MemorySink()
-    with gradtrack.watch(model, backend=sink, layer_schedule="dense_early", hist_every=None):
+    with gradtrack.watch(model, backend=sink, layer_schedule="dense_early", histograms=False):
         for _ in range(200):
             model(torch.randn(3, 4)).sum().backward()
     per_layer = [r.step for r in sink.records if r.per_layer]

@@ -48,13 +48,13 @@ def test_one_record_per_optimizer_step_with_the_default_schedule(cnn: nn.Module)
     assert watcher.step == 25
     assert [r.step for r in sink.records] == [0, 10, 20]  # log_every=10 by default
     assert list(sink.histograms()) == ["0", "3", "7"]
-    assert [step for step, _ in sink.histograms()["7"]] == [0]  # hist_every=100
+    assert [step for step, _ in sink.histograms()["7"]] == [0]  # histograms.every=100
 
 
 def test_without_optimizer_one_record_per_backward() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     sink = MemorySink()
-    with gradtrack.watch(model, backend=sink, log_every=4, hist_every=6):
+    with gradtrack.watch(model, backend=sink, log_every=4, histograms={"every": 6}):
         for _ in range(13):
             model(torch.randn(3, 4)).sum().backward()
     assert [r.step for r in sink.records] == [0, 4, 6, 8, 12]
@@ -92,7 +92,11 @@ def test_watching_never_changes_training() -> None:
         watcher = None
         if watched:
             watcher = gradtrack.watch(
-                model, backend=MemorySink(), optimizer=optimizer, log_every=1, hist_every=1
+                model,
+                backend=MemorySink(),
+                optimizer=optimizer,
+                log_every=1,
+                histograms={"every": 1},
             )
         losses = train(model, 20, optimizer)
         if watcher is not None:
@@ -199,7 +203,11 @@ def test_a_slow_sink_holds_up_only_its_own_delivery_thread() -> None:
     model = nn.Linear(8, 1)
     slow, quick = SlowSink(delay_s=0.05), MemorySink()
     with gradtrack.watch(
-        model, backend=[slow, quick], log_every=1, max_batch_steps=1, hist_every=None
+        model,
+        backend=[slow, quick],
+        log_every=1,
+        delivery={"max_batch_steps": 1},
+        histograms=False,
     ) as watcher:
         start = time.perf_counter()
         for _ in range(40):
@@ -219,8 +227,8 @@ def test_a_sink_past_its_buffer_drops_the_oldest_counts_and_warns_once() -> None
     slow = SlowSink(delay_s=0.05)
     with pytest.warns(RuntimeWarning, match="SlowSink is 2 steps behind") as caught:
         with gradtrack.watch(
-            model, backend=slow, log_every=1, sink_buffer_steps=2, max_batch_steps=1,
-            hist_every=None,
+            model, backend=slow, log_every=1,
+            delivery={"sink_buffer_steps": 2, "max_batch_steps": 1}, histograms=False,
         ) as watcher:  # fmt: skip
             for _ in range(40):
                 model(torch.randn(2, 8)).sum().backward()
@@ -239,7 +247,11 @@ def test_a_worker_behind_the_loop_drops_counts_and_warns() -> None:
     sink = MemorySink()
     with pytest.warns(RuntimeWarning, match="worker is 1 steps behind"):
         with gradtrack.watch(
-            model, backend=sink, log_every=1, queue_size=1, hist_every=None, batch_wait_s=0.2
+            model,
+            backend=sink,
+            log_every=1,
+            delivery={"queue_size": 1, "batch_wait_s": 0.2},
+            histograms=False,
         ) as watcher:
             for _ in range(200):
                 model(torch.randn(2, 8)).sum().backward()
@@ -251,7 +263,11 @@ def test_full_queue_can_block_instead_and_then_loses_nothing() -> None:
     model = nn.Linear(8, 1)
     slow = SlowSink(delay_s=0.01)
     with gradtrack.watch(
-        model, backend=slow, log_every=1, queue_size=2, queue_full="block", hist_every=None
+        model,
+        backend=slow,
+        log_every=1,
+        delivery={"queue_size": 2, "queue_full": "block"},
+        histograms=False,
     ) as watcher:
         for _ in range(30):
             model(torch.randn(2, 8)).sum().backward()
@@ -263,8 +279,8 @@ def test_histograms_hold_the_sample_and_increasing_edges(cnn: nn.Module) -> None
     sink = MemorySink()
     optimizer = torch.optim.SGD(cnn.parameters(), lr=0.01)
     with gradtrack.watch(
-        cnn, backend=sink, optimizer=optimizer, log_every=1, hist_every=1,
-        hist_sample_size=1000, hist_bins=32,
+        cnn, backend=sink, optimizer=optimizer, log_every=1,
+        histograms={"every": 1, "sample_size": 1000, "bins": 32},
     ):  # fmt: skip
         train(cnn, 2, optimizer)
     for layer, numel in {"0": 448, "3": 4640, "7": 20490}.items():
@@ -278,7 +294,9 @@ def test_nonfinite_samples_never_reach_the_bins() -> None:
     model = nn.Linear(10, 1, bias=False)
     sink = MemorySink()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1, hist_every=1):
+    with gradtrack.watch(
+        model, backend=sink, optimizer=optimizer, log_every=1, histograms={"every": 1}
+    ):
         model(torch.ones(1, 10)).sum().backward()
         model.weight.grad[0, :3] = float("nan")
         model.weight.grad[0, 3] = float("inf")

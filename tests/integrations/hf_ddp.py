@@ -20,7 +20,7 @@ from tests.integrations.test_transformers import STEPS, _train
 
 def main(out: Path) -> None:
     sink = MemorySink()
-    callback = GradtrackCallback(sink, log_every=1, hist_every=None)
+    callback = GradtrackCallback(sink, log_every=1, histograms=False)
     seen, _ = _train(out, callback, max_grad_norm=0.0, ddp_backend="gloo")
     assert callback.watcher is not None
     result = {

@@ -22,7 +22,7 @@ from tests.integrations.test_lightning import GradientsSeen, TinyRegressor, _loa
 def main(out: Path) -> None:
     torch.manual_seed(0)
     sink, seen = MemorySink(), GradientsSeen()
-    callback = GradtrackCallback(sink, log_every=1, hist_every=None)
+    callback = GradtrackCallback(sink, log_every=1, histograms=False)
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=4, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

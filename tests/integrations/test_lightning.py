@@ -78,7 +78,7 @@ def _fit(callback: GradtrackCallback, **trainer_options: Any) -> GradientsSeen:
 
 def test_one_record_per_optimizer_step_with_gradient_accumulation() -> None:
     sink = MemorySink()
-    callback = GradtrackCallback(sink, log_every=1, hist_every=None)
+    callback = GradtrackCallback(sink, log_every=1, histograms=False)
     seen = _fit(callback, accumulate_grad_batches=3)
 
     assert len(seen.steps) == BATCHES // 3
@@ -93,7 +93,7 @@ def test_mixed_precision_gradients_are_reported_unscaled() -> None:
     sink = MemorySink()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     seen = _fit(
-        GradtrackCallback(sink, log_every=1, hist_every=None),
+        GradtrackCallback(sink, log_every=1, histograms=False),
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
     )
 
@@ -106,7 +106,7 @@ def test_mixed_precision_gradients_are_reported_unscaled() -> None:
 
 def test_wandb_logger_run_receives_the_gradients(offline_wandb: Path) -> None:
     logger = WandbLogger(project="gradtrack-lightning", save_dir=str(offline_wandb), offline=True)
-    _fit(GradtrackCallback(log_every=2, layer_every=1, hist_every=None), logger=logger)
+    _fit(GradtrackCallback(log_every=2, layer_every=1, histograms=False), logger=logger)
     run_dir = Path(logger.experiment.dir).parent
     wandb.finish()
     wandb.teardown()
@@ -119,7 +119,7 @@ def test_wandb_logger_run_receives_the_gradients(offline_wandb: Path) -> None:
 
 def test_mlflow_logger_run_receives_the_gradients(mlflow_server: MlflowServer) -> None:
     logger = MLFlowLogger(experiment_name="gradtrack-lightning", tracking_uri=mlflow_server.uri)
-    _fit(GradtrackCallback(log_every=3, layer_every=1, hist_every=None), logger=logger)
+    _fit(GradtrackCallback(log_every=3, layer_every=1, histograms=False), logger=logger)
 
     client = mlflow.MlflowClient(mlflow_server.uri)
     history = client.get_metric_history(logger.run_id, "grad_norm/body.2")
@@ -130,7 +130,7 @@ def test_mlflow_logger_run_receives_the_gradients(mlflow_server: MlflowServer) -
 def test_other_loggers_fall_back_to_the_console(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    callback = GradtrackCallback(log_every=4, hist_every=None, console_interval_s=0)
+    callback = GradtrackCallback(log_every=4, histograms=False, console={"interval_s": 0})
     _fit(callback, logger=CSVLogger(tmp_path))
 
     assert callback.watcher is not None
@@ -174,7 +174,7 @@ def test_a_resumed_fit_continues_the_trainers_step_axis(tmp_path: Path) -> None:
     Trainer(
         accelerator="cpu", max_steps=BATCHES + 4, logger=False, default_root_dir=str(tmp_path),
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[GradtrackCallback(sink, log_every=1, hist_every=None)],
+        callbacks=[GradtrackCallback(sink, log_every=1, histograms=False)],
     ).fit(TinyRegressor(), _loader(), ckpt_path=str(checkpoint))  # fmt: skip
     # One epoch (12 steps) was done: the resumed fit's records continue at step 12.
     assert [r.step for r in sink.records] == list(range(BATCHES, BATCHES + 4))

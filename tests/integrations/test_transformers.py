@@ -102,7 +102,7 @@ def _train(
 
 def test_records_per_optimizer_step_keyed_by_module_names(tmp_path: Path) -> None:
     sink = MemorySink()
-    callback = GradtrackCallback(sink, log_every=1, hist_every=None)
+    callback = GradtrackCallback(sink, log_every=1, histograms=False)
     seen, _ = _train(tmp_path, callback, max_grad_norm=0.0)  # no clipping: same gradients
 
     assert callback.watcher is not None and callback.watcher.closed
@@ -128,7 +128,9 @@ def test_records_per_optimizer_step_keyed_by_module_names(tmp_path: Path) -> Non
 def test_gradients_are_seen_before_the_trainer_clips_them(tmp_path: Path) -> None:
     sink = MemorySink()
     seen, _ = _train(
-        tmp_path, GradtrackCallback(sink, log_every=1, hist_every=None), max_grad_norm=0.01
+        tmp_path,
+        GradtrackCallback(sink, log_every=1, histograms=False),
+        max_grad_norm=0.01,
     )
 
     # The Trainer logs the total norm before clipping; gradtrack's total is that norm,
@@ -143,7 +145,7 @@ def test_gradients_are_seen_before_the_trainer_clips_them(tmp_path: Path) -> Non
 def test_report_to_wandb_writes_into_the_trainers_run(offline_wandb: Path) -> None:
     _train(
         offline_wandb,
-        GradtrackCallback(log_every=2, layer_every=1, hist_every=None),
+        GradtrackCallback(log_every=2, layer_every=1, histograms=False),
         report_to="wandb",
     )
     assert wandb.run is not None  # the Trainer leaves its run open; gradtrack does too
@@ -163,7 +165,9 @@ def test_report_to_mlflow_writes_into_the_trainers_run(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "gradtrack-hf")
     _train(
-        tmp_path, GradtrackCallback(log_every=1, layer_every=1, hist_every=None), report_to="mlflow"
+        tmp_path,
+        GradtrackCallback(log_every=1, layer_every=1, histograms=False),
+        report_to="mlflow",
     )
 
     client = mlflow.MlflowClient(mlflow_server.uri)
@@ -182,7 +186,7 @@ def test_a_resumed_run_continues_the_trainers_step_axis(tmp_path: Path) -> None:
 
     sink = MemorySink()
     _train(
-        tmp_path, GradtrackCallback(sink, log_every=1, hist_every=None),
+        tmp_path, GradtrackCallback(sink, log_every=1, histograms=False),
         resume_from_checkpoint=str(checkpoint),
     )  # fmt: skip
     assert [r.step for r in sink.records] == [3, 4]  # the global steps after checkpoint-2

@@ -42,7 +42,7 @@ def train(name: str, root: Path, uri: str) -> tuple[str, Path]:
     generator = torch.Generator().manual_seed(1)
     with gradtrack.watch(
         model, backend=["wandb", "mlflow"], optimizer=optimizer, log_every=2, layer_every=10,
-        hist_every=10, wandb={"mode": "offline", "name": name, "dir": str(root / name)},
+        histograms={"every": 10}, wandb={"mode": "offline", "name": name, "dir": str(root / name)},
         mlflow={"tracking_uri": uri, "experiment": "divergence", "run_name": name},
     ) as watcher:  # fmt: skip
         for step in range(STEPS):

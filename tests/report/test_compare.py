@@ -45,8 +45,9 @@ def two_runs(
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         generator = torch.Generator().manual_seed(1)
         with gradtrack.watch(
-            model, backend=["wandb", "mlflow"], optimizer=optimizer, log_every=2, hist_every=10,
-            layer_every=10, wandb={"mode": "offline", "name": name, "dir": str(root / name)},
+            model, backend=["wandb", "mlflow"], optimizer=optimizer, log_every=2,
+            histograms={"every": 10}, layer_every=10,
+            wandb={"mode": "offline", "name": name, "dir": str(root / name)},
             mlflow={"tracking_uri": mlflow_server.uri, "experiment": "compare", "run_name": name},
         ) as watcher:  # fmt: skip
             for _ in range(40):

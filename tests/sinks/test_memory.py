@@ -49,7 +49,7 @@ def test_layer_every_windows_need_not_align_with_log_every() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
     sink = MemorySink()
     optimizer = NoUpdate(model.parameters())
-    with gradtrack.watch(model, sink, optimizer, log_every=3, layer_every=5, hist_every=None):
+    with gradtrack.watch(model, sink, optimizer, log_every=3, layer_every=5, histograms=False):
         for _ in range(16):
             optimizer.zero_grad()
             model(torch.ones(2, 3)).sum().backward()
@@ -67,7 +67,7 @@ def test_only_the_first_bad_step_of_each_window_is_written_in_full() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
     sink = MemorySink()
     optimizer = NoUpdate(model.parameters())
-    with gradtrack.watch(model, sink, optimizer, log_every=1, layer_every=10, hist_every=None):
+    with gradtrack.watch(model, sink, optimizer, log_every=1, layer_every=10, histograms=False):
         for step in range(25):
             optimizer.zero_grad()
             model(torch.ones(2, 3)).sum().backward()

@@ -57,8 +57,8 @@ def test_round_trip_through_a_tracking_server(mlflow_server: MlflowServer) -> No
     memory = MemorySink()
     options = {"tracking_uri": mlflow_server.uri, "experiment": "round-trip", "run_name": "cnn"}
     with gradtrack.watch(
-        model, backend=["mlflow", memory], optimizer=optimizer, log_every=2, hist_every=6,
-        hist_sample_size=500, mlflow={**options, "hist_chunk_steps": 2},
+        model, backend=["mlflow", memory], optimizer=optimizer, log_every=2,
+        histograms={"every": 6, "sample_size": 500}, mlflow={**options, "hist_chunk_steps": 2},
     ) as watcher:  # fmt: skip
         train(model, range(24), optimizer, nan_at=10)
     sink = watcher.sinks[0]
@@ -137,7 +137,7 @@ def test_per_layer_series_every_layer_every_steps_and_nonfinite_steps_in_full(
     optimizer = NoUpdate(model.parameters())
     with gradtrack.watch(
         model, backend="mlflow", optimizer=optimizer, log_every=2, layer_every=5,
-        hist_every=None, mlflow={"tracking_uri": uri},
+        histograms=False, mlflow={"tracking_uri": uri},
     ) as watcher:  # fmt: skip
         train(model, range(12), optimizer, nan_at=8)
     got = histories(uri, watcher.sinks[0].run_id, ["grad/total_norm", "grad_norm/0", "grad_max/7"])
@@ -198,8 +198,8 @@ def test_server_down_at_start_then_killed_and_restarted_loses_nothing(tmp_path: 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     memory = MemorySink()
     watcher = gradtrack.watch(
-        model, backend=["mlflow", memory], log_every=1, hist_every=5, batch_wait_s=0.05,
-        mlflow=outage_config(server.uri),
+        model, backend=["mlflow", memory], log_every=1, histograms={"every": 5},
+        delivery={"batch_wait_s": 0.05}, mlflow=outage_config(server.uri),
     )  # fmt: skip
 
     def steps(n: int) -> None:
@@ -238,8 +238,8 @@ def test_a_tiny_buffer_drops_the_oldest_and_logs_the_count(tmp_path: Path) -> No
     server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)
     model = nn.Linear(4, 1)
     watcher = gradtrack.watch(
-        model, backend="mlflow", log_every=1, hist_every=None, batch_wait_s=0.0,
-        mlflow=outage_config(server.uri, max_buffered_steps=3),
+        model, backend="mlflow", log_every=1, histograms=False,
+        delivery={"batch_wait_s": 0.0}, mlflow=outage_config(server.uri, max_buffered_steps=3),
     )  # fmt: skip
     try:
         with pytest.warns(RuntimeWarning) as caught:
@@ -267,7 +267,7 @@ def test_close_waits_at_most_the_flush_timeout_for_an_unreachable_server() -> No
     model = nn.Linear(4, 1)
     uri = f"http://127.0.0.1:{free_port()}"
     watcher = gradtrack.watch(
-        model, backend="mlflow", log_every=1, hist_every=None, flush_timeout_s=2.0,
+        model, backend="mlflow", log_every=1, histograms=False, flush_timeout_s=2.0,
         mlflow=outage_config(uri),
     )  # fmt: skip
     with pytest.warns(RuntimeWarning) as caught:
@@ -314,7 +314,7 @@ def test_round_trip_with_a_postgresql_backend_store(postgres_server: MlflowServe
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     memory = MemorySink()
     with gradtrack.watch(
-        model, backend=["mlflow", memory], log_every=1, hist_every=2,
+        model, backend=["mlflow", memory], log_every=1, histograms={"every": 2},
         mlflow={"tracking_uri": postgres_server.uri, "experiment": "postgres"},
     ) as watcher:  # fmt: skip
         for _ in range(6):

@@ -48,7 +48,7 @@ def train_through_fault(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "cannot reach MLflow": expected
         watcher = gradtrack.watch(
-            model, backend="mlflow", optimizer=optimizer, log_every=1, hist_every=None,
+            model, backend="mlflow", optimizer=optimizer, log_every=1, histograms=False,
             flush_timeout_s=120, mlflow={"tracking_uri": uri, "retry_max_s": 2},
         )  # fmt: skip
         faulting = threading.Thread(target=inject)
@@ -106,7 +106,7 @@ def test_a_cold_start_loses_nothing_in_a_tight_loop(tmp_path: Path) -> None:
         model = torch.nn.Linear(16, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         watcher = gradtrack.watch(model, backend="mlflow", optimizer=optimizer, log_every=1,
-                                  hist_every=None)
+                                  histograms=False)
         for _ in range(3000):
             optimizer.zero_grad()
             model(torch.randn(8, 16)).pow(2).mean().backward()

@@ -36,7 +36,7 @@ def test_two_models_in_one_run_keep_their_alerts_histograms_and_tags(tmp_path: P
             gradtrack.GradtrackConfig(model_name=name, mlflow={"tracking_uri": uri}), run_id=run_id
         )
         with gradtrack.watch(
-            model, backend=sink, optimizer=optimizer, hist_every=2, model_name=name
+            model, backend=sink, optimizer=optimizer, histograms={"every": 2}, model_name=name
         ):
             train(model, range(6), optimizer, nan_at=nan_at)
         models[name] = sink

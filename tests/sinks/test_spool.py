@@ -100,7 +100,7 @@ def test_past_its_disk_bound_the_spool_drops_counts_and_warns(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         watcher = gradtrack.watch(
-            model, backend="mlflow", optimizer=optimizer, log_every=1, spool_mib=1,
+            model, backend="mlflow", optimizer=optimizer, log_every=1, spool={"mib": 1},
             flush_timeout_s=1, mlflow={"tracking_uri": uri, "retry_max_s": 1},
         )  # fmt: skip
         for _ in range(400):

@@ -62,8 +62,8 @@ def test_offline_run_holds_every_step_histogram_alert_and_the_users_rows(
             wandb.log({"user/loss": loss})
 
     with gradtrack.watch(
-        model, backend=["wandb", memory], optimizer=optimizer, log_every=2, hist_every=6,
-        hist_sample_size=500, wandb={"profile_every": 12},
+        model, backend=["wandb", memory], optimizer=optimizer, log_every=2,
+        histograms={"every": 6, "sample_size": 500}, wandb={"profile_every": 12},
     ):  # fmt: skip
         train_cnn(model, optimizer, 24, user_log)
     run.finish()
@@ -208,8 +208,8 @@ def test_finishing_the_run_before_closing_never_breaks_training(offline: Path) -
 def test_log_scale_histograms_of_bf16_gradients(offline: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).to(torch.bfloat16)
     options = wandb_options(offline)
-    with gradtrack.watch(model, backend="wandb", log_every=1, hist_every=1, hist_scale="log",
-                         hist_bins=16, wandb=options):  # fmt: skip
+    histograms = {"every": 1, "scale": "log", "bins": 16}
+    with gradtrack.watch(model, backend="wandb", log_every=1, histograms=histograms, wandb=options):
         model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
     wandb.teardown()
     (row,) = history(read_records(run_dirs(offline)[0]))
