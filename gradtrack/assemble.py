@@ -81,8 +81,8 @@ class Assembler:
         self.drops = drops
         self.part_errors: dict[str, int] = {}
         self._index = index
-        self._hist_bins = config.hist_bins
-        self._hist_scale = config.hist_scale
+        self._hist_bins = config.histograms.bins
+        self._hist_scale = config.histograms.scale
         self._activation_names = tuple(activation_names)
         self._model_name = config.model_name
         self._layer_metrics = tuple(config.layer_metrics)

@@ -163,23 +163,6 @@ class SkipOptions(BaseModel):
     )
 
 
-# transitional: removed once consumers use the sections. update_signals is a plain switch
-# (it was a one-field section, update_signals.enabled); consumers still read
-# config.update_signals.enabled, so the switch lives in this model until they read
-# config.update_signals as a bool. Then the field becomes `update_signals: bool = False`, and
-# this class, its validator and serializer in GradtrackConfig and its line in
-# _explicit_fields go.
-class UpdateSignals(BaseModel):
-    """The ``update_signals`` switch; it dumps, and is given, as a plain bool."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = False
-
-    def __bool__(self) -> bool:
-        return self.enabled
-
-
 class HistogramOptions(BaseModel):
     """How often gradients are sampled for histograms, and how those are binned."""
 
@@ -257,10 +240,6 @@ class SpoolOptions(BaseModel):
         description="Disk the undelivered items of one run may take (MiB); past it new "
         "steps are dropped, counted and logged as gradtrack/dropped.",
     )
-
-    def __bool__(self) -> bool:
-        # transitional: removed once consumers use the sections (they test `config.spool`)
-        return self.enabled
 
 
 class ConsoleOptions(BaseModel):
@@ -344,8 +323,8 @@ class GradtrackConfig(BaseModel):
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."
     )
-    update_signals: UpdateSignals = Field(
-        default_factory=UpdateSignals,
+    update_signals: bool = Field(
+        False,
         description="Also measure, on logged steps, each layer's weight norm and the norm of "
         "the update optimizer.step() applied (needs optimizer=): param_norm/, update_norm/, "
         "update_ratio/. Costs one copy of the trainable parameters, kept for reuse, and two "
@@ -389,17 +368,6 @@ class GradtrackConfig(BaseModel):
             warn_renamed(moved)
         return migrated
 
-    # transitional: removed once consumers use the sections (see UpdateSignals)
-    @field_validator("update_signals", mode="before")
-    @classmethod
-    def _a_switch(cls, value: Any) -> Any:
-        return value if isinstance(value, (UpdateSignals, Mapping)) else {"enabled": value}
-
-    # transitional: removed once consumers use the sections (see UpdateSignals)
-    @field_serializer("update_signals")
-    def _switch_value(self, value: UpdateSignals) -> bool:
-        return value.enabled
-
     @field_validator("include", "exclude", "layer_metrics", mode="before")
     @classmethod
     def _one_pattern_is_a_list(cls, value: Any) -> Any:
@@ -415,76 +383,6 @@ class GradtrackConfig(BaseModel):
         if isinstance(value, (str, type)):
             value = (value,)
         return tuple(_resolve_module_type(v) if isinstance(v, str) else v for v in value)
-
-    # transitional: removed once consumers use the sections
-    @property
-    def hist_every(self) -> int | None:
-        return self.histograms.every
-
-    # transitional: removed once consumers use the sections
-    @property
-    def hist_bins(self) -> int:
-        return self.histograms.bins
-
-    # transitional: removed once consumers use the sections
-    @property
-    def hist_sample_size(self) -> int:
-        return self.histograms.sample_size
-
-    # transitional: removed once consumers use the sections
-    @property
-    def hist_scale(self) -> Literal["linear", "log"]:
-        return self.histograms.scale
-
-    # transitional: removed once consumers use the sections
-    @property
-    def seed(self) -> int:
-        return self.histograms.seed
-
-    # transitional: removed once consumers use the sections
-    @property
-    def queue_size(self) -> int:
-        return self.delivery.queue_size
-
-    # transitional: removed once consumers use the sections
-    @property
-    def queue_mib(self) -> int:
-        return self.delivery.queue_mib
-
-    # transitional: removed once consumers use the sections
-    @property
-    def queue_full(self) -> Literal["drop_oldest", "block"]:
-        return self.delivery.queue_full
-
-    # transitional: removed once consumers use the sections
-    @property
-    def max_batch_steps(self) -> int:
-        return self.delivery.max_batch_steps
-
-    # transitional: removed once consumers use the sections
-    @property
-    def batch_wait_s(self) -> float:
-        return self.delivery.batch_wait_s
-
-    # transitional: removed once consumers use the sections
-    @property
-    def sink_buffer_steps(self) -> int:
-        return self.delivery.sink_buffer_steps
-
-    # transitional: removed once consumers use the sections
-    @property
-    def spool_dir(self) -> Path | None:
-        return self.spool.dir
-
-    # transitional: removed once consumers use the sections
-    @property
-    def spool_mib(self) -> int:
-        return self.spool.mib
-
-    # transitional: removed once consumers use the sections
-    @property
-    def console_interval_s(self) -> float:
-        return self.console.interval_s
 
 
 FIELDS: tuple[str, ...] = tuple(GradtrackConfig.model_fields)
@@ -789,8 +687,6 @@ def _explicit_fields(model: BaseModel) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for name in model.model_fields_set:
         value = getattr(model, name)
-        if isinstance(value, UpdateSignals):  # transitional: removed with UpdateSignals
-            value = value.enabled
         fields[name] = _explicit_fields(value) if isinstance(value, BaseModel) else value
     return fields
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gradtrack.assemble import AssembledStep, PendingStep
+from gradtrack.config import DeliveryOptions
 from gradtrack.drops import DropCount
 from gradtrack.lifecycle import Outcome
 
@@ -56,6 +57,10 @@ class Mailbox:
         self._closed = False
         self._changed = threading.Condition()
 
+    @classmethod
+    def for_options(cls, options: DeliveryOptions, drops: DropCount | None = None) -> Mailbox:
+        return cls(options.queue_size, options.queue_full, drops, options.queue_mib << 20)
+
     def put_step(self, item: QueuedStep) -> None:
         with self._changed:
             size = _nbytes(item)
@@ -71,7 +76,8 @@ class Mailbox:
                 self._steps -= 1
                 self._drop(
                     f"the worker is {self._steps + 1} steps behind the training loop (raise "
-                    "log_every, queue_size or queue_mib, or queue_full='block' to wait)"
+                    "log_every, delivery.queue_size or delivery.queue_mib, or set "
+                    "delivery.queue_full='block' to wait)"
                 )
             self._items.append(item)
             self._steps += 1

@@ -107,17 +107,17 @@ def layer_schedule(config: GradtrackConfig) -> Callable[[int], bool]:
 
 class StepSchedule:
     """What each step writes: summarised (``log_every``), sampled for histograms
-    (``hist_every``), with per-layer metrics (`layer_schedule`), and which bad or spiking
+    (``histograms.every``), with per-layer metrics (`layer_schedule`), and which bad or spiking
     step of each ``layer_every`` window is written with its per-layer metrics anyway.
 
-    >>> schedule = StepSchedule(GradtrackConfig(log_every=5, hist_every=10))
+    >>> schedule = StepSchedule(GradtrackConfig(log_every=5, histograms={"every": 10}))
     >>> [schedule.due(step) for step in (0, 5, 7)]
     [(True, True), (True, False), (False, False)]
     """
 
     def __init__(self, config: GradtrackConfig) -> None:
         self.log_every = config.log_every
-        self.hist_every = config.hist_every
+        self.hist_every = config.histograms.every
         self.per_layer = layer_schedule(config)
         # The first non-finite step of each window, logged or not (the guard's find); and
         # the first spiking one, apart: a spike must not take a later NaN's place.

@@ -37,14 +37,14 @@ def build_signals(
     rules = config.alerts
     layer_names = collector.layer_names
     skip_rules = rules.skip_rules()
-    if (skip_rules or config.update_signals.enabled) and not own_steps:
+    if (skip_rules or config.update_signals) and not own_steps:
         feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
         raise GradtrackError(
             f"{feature} needs optimizer= (without scaler= or steps=): gradtrack must be "
             "at the optimizer's step, before and after it runs. (A GradScaler already "
             "skips non-finite steps by itself.)"
         )
-    if config.update_signals.enabled and collector.local_shards:
+    if config.update_signals and collector.local_shards:
         raise GradtrackError("update_signals does not support sharded (FSDP2) parameters yet")
     signals = Signals()
     columns: list[str | None] = [None, *layer_names]
@@ -61,6 +61,6 @@ def build_signals(
         signals.journal = Journal(config.skip.journal)
     if signals.spikes is not None or signals.skips is not None:
         signals.layer_norms = LayerNorms(collector.tensor_layer, len(layer_names))
-    if config.update_signals.enabled:
+    if config.update_signals:
         signals.updates = UpdateProbe(collector.params)
     return signals

@@ -54,7 +54,7 @@ class Watcher:
 
     ``step`` counts ``scaler.update()`` calls when a GradScaler is given, else optimizer steps
     when an optimizer is given, else backward passes; a step ``s`` is summarised when
-    ``s % log_every == 0`` and sampled when ``s % hist_every == 0``.
+    ``s % log_every == 0`` and sampled when ``s % histograms.every == 0``.
     """
 
     def __init__(
@@ -76,11 +76,11 @@ class Watcher:
         self.ranks = rank_group(model, params) if config.distributed.enabled else None
         if any(is_dtensor(p) for p in params) and optimizer is scaler is None:
             _refuse_sharded_backwards(steps)
-        self.collector = Collector(self.layers, config.hist_sample_size, config.seed, self.ranks)
-        self.drops = DropCount(report)
-        self.mailbox = Mailbox(
-            config.queue_size, config.queue_full, self.drops, config.queue_mib << 20
+        self.collector = Collector(
+            self.layers, config.histograms.sample_size, config.histograms.seed, self.ranks
         )
+        self.drops = DropCount(report)
+        self.mailbox = Mailbox.for_options(config.delivery, self.drops)
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
         rank = 0 if self.ranks is None else self.ranks.rank
@@ -170,9 +170,9 @@ class Watcher:
 
     @property
     def dropped_steps(self) -> int:
-        """Steps lost to a full queue: the worker's (``queue_full="drop_oldest"``) or a
-        sink's (``sink_buffer_steps``). The first loss is warned about; the count is logged
-        as ``gradtrack/dropped``."""
+        """Steps lost to a full queue: the worker's (``delivery.queue_full="drop_oldest"``)
+        or a sink's (``delivery.sink_buffer_steps``). The first loss is warned about; the
+        count is logged as ``gradtrack/dropped``."""
         return self.drops.total
 
     @property

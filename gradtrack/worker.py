@@ -45,17 +45,17 @@ class Worker:
         for i, sink in enumerate(sinks):
             if self.spool is not None and isinstance(sink, TrackerSink):
                 courier: Courier | SpooledCourier = SpooledCourier(
-                    sink, self.spool, sink_id(i, sink), report, config.max_batch_steps
+                    sink, self.spool, sink_id(i, sink), report, config.delivery.max_batch_steps
                 )
             else:
-                courier = Courier(sink, config.sink_buffer_steps, drops, report)
+                courier = Courier(sink, config.delivery.sink_buffer_steps, drops, report)
             self.couriers.append(courier)
         self._sync_told = False  # the sync command was named already
         self.record_errors = 0
         self.assembler = assembler
         self._mailbox = mailbox
-        self._max_batch_steps = config.max_batch_steps
-        self._gather_s = config.batch_wait_s
+        self._max_batch_steps = config.delivery.max_batch_steps
+        self._gather_s = config.delivery.batch_wait_s
         self.actions = AlertActions(assembler.alert_engine, on_alert)
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
@@ -170,7 +170,7 @@ class Worker:
                 self.drops.add(
                     1,
                     f"the spool at {spool.path} holds {spool.max_bytes >> 20} MiB not yet "
-                    "delivered, its bound (spool_mib)",
+                    "delivered, its bound (spool.mib)",
                 )
 
     def _release_spool(self, spool: Spool) -> None:
@@ -201,21 +201,21 @@ def sink_id(index: int, sink: GradientSink) -> str:
 
 
 def open_spool(sinks: Sequence[GradientSink], config: GradtrackConfig) -> Spool | None:
-    """The run's spool, if ``config.spool`` and a sink delivers to a tracker; None (steps
+    """The run's spool, if ``config.spool.enabled`` and a sink delivers to a tracker; None (steps
     then wait in memory) if it cannot be created, which is reported."""
     targets = {
         sink_id(i, sink): sink.spool_target()
         for i, sink in enumerate(sinks)
         if isinstance(sink, TrackerSink)
     }
-    if not config.spool or not targets:
+    if not config.spool.enabled or not targets:
         return None
-    root = config.spool_dir or default_root()
+    root = config.spool.dir or default_root()
     try:
-        return Spool.create(root, config.model_name or "run", targets, config.spool_mib << 20)
+        return Spool.create(root, config.model_name or "run", targets, config.spool.mib << 20)
     except OSError as exc:
         report(
             f"gradtrack could not create its spool under {root} ({exc!r}); steps wait in "
-            "memory instead (set spool_dir or GRADTRACK_SPOOL_DIR to a writable folder)"
+            "memory instead (set spool.dir or GRADTRACK_SPOOL_DIR to a writable folder)"
         )
         return None

@@ -341,7 +341,7 @@ def test_environment_variables_reach_the_sections() -> None:
     assert (config.spool.mib, config.spool.dir, config.console.interval_s) == (
         9, Path("/tmp/spools"), 0.5,
     )  # fmt: skip
-    assert config.update_signals.enabled
+    assert config.update_signals is True
 
 
 def test_switches_stand_for_their_sections() -> None:

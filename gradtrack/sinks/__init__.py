@@ -6,7 +6,7 @@ from gradtrack.sinks.memory import MemorySink
 from gradtrack.sinks.mlflow import MlflowSink
 from gradtrack.sinks.wandb import WandbSink
 
-register_sink("console", lambda config: ConsoleSink(interval_s=config.console_interval_s))
+register_sink("console", lambda config: ConsoleSink(interval_s=config.console.interval_s))
 register_sink("memory", lambda config: MemorySink())
 register_sink("wandb", WandbSink)
 register_sink("mlflow", MlflowSink)

@@ -109,7 +109,7 @@ def test_past_its_disk_bound_the_spool_drops_counts_and_warns(
             optimizer.step()
         watcher.close()
     assert watcher.dropped_steps > 0
-    assert sum("spool_mib" in str(w.message) for w in caught) == 1  # warned once
+    assert sum("spool.mib" in str(w.message) for w in caught) == 1  # warned once
     (kept,) = list(spool_in_tmp.iterdir())
     size = sum(f.stat().st_size for f in kept.glob("seg-*.log"))
     assert size <= 1 << 20
