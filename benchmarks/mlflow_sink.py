@@ -23,6 +23,7 @@ import torch
 
 import gradtrack
 from benchmarks.models import MODELS, LossFn
+from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink, MlflowSink
 from tests.sinks.mlflow_server import MlflowServer
@@ -91,11 +92,7 @@ def delivery_rates(
     start = time.perf_counter()
     sink.write(records[1:])
     sink.flush()
-    batched = (
-        (len(records) - 1)
-        * len(gradtrack.record.scalar_metrics(records[0]))
-        / (time.perf_counter() - start)
-    )
+    batched = (len(records) - 1) * len(scalar_metrics(records[0])) / (time.perf_counter() - start)
     sink.close()
     client = mlflow.MlflowClient(uri)
     experiment = client.get_experiment_by_name("bench")

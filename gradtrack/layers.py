@@ -15,7 +15,7 @@ from torch import nn
 
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
-from gradtrack.record import metric_key
+from gradtrack.formats.keys import metric_key
 
 ROOT_LAYER_NAME = "root"
 

@@ -1,43 +1,25 @@
-"""What the worker hands to sinks: one `StepRecord` per logged step, and its metric keys.
+"""What the worker hands to sinks: one `StepRecord` per logged step.
 
-Every sink names metrics with `scalar_metrics`, so runs line up across backends.
+Sinks name its metrics with `gradtrack.formats.metrics.scalar_metrics`, so runs line up
+across backends.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
+from gradtrack.formats.keys import LAYER_KEY_PREFIX
 from gradtrack.histogram import Histogram
 
 # Columns of `StepRecord.stats`, one row per layer that had a gradient at this step.
 STAT_COLUMNS = ("norm", "max_abs", "mean_abs", "rms", "numel", "nan", "inf")
 
-TOTAL_NORM_KEY = "grad/total_norm"
-# Every family a step's metrics use (the first key segment: a W&B panel section).
-FAMILIES = (
-    "grad", "grad_norm", "grad_max", "grad_mean_abs", "grad_rms", "grad_nan", "grad_inf",
-    "act_grad_norm", "param_norm", "update_norm", "update_ratio",
-)  # fmt: skip
-# Metric family per statistic; NaN/Inf families appear only where the count is non-zero.
-LAYER_KEY_PREFIX = {
-    "norm": "grad_norm",
-    "max_abs": "grad_max",
-    "mean_abs": "grad_mean_abs",
-    "rms": "grad_rms",
-}
-NONFINITE_KEY_PREFIX = {"nan": "grad_nan", "inf": "grad_inf"}
 # Computed only on the steps that write per-layer metrics (see `StepRecord.abs_stats`).
 ABS_STATS = ("max_abs", "mean_abs")
-ACTIVATION_KEY_PREFIX = "act_grad_norm"
-# With ``distributed.gather_ranks``: grad_norm_rank<r>/<layer>, rank r's local gradient.
-RANK_KEY_PREFIX = "grad_norm_rank"
-# With ``update_signals``: ‖W‖, ‖ΔW‖ of the applied update, and their ratio, per layer.
-UPDATE_KEY_PREFIX = {"param": "param_norm", "update": "update_norm", "ratio": "update_ratio"}
 
 
 class LayerStats(NamedTuple):
@@ -150,92 +132,6 @@ class StepRecord:
     @property
     def inf_count(self) -> int:
         return int(self.column("inf").sum())
-
-
-_UNSAFE_KEY_CHARS = re.compile(r"[^\w.\- :/]")
-
-
-def safe_key(key: str) -> str:
-    """A metric key every backend accepts, mapped the same way everywhere.
-
-    Characters outside ``[A-Za-z0-9_.- :/]`` become ``_``, as do the path forms MLflow
-    refuses (``//``, ``./``, ``..``, a leading or trailing ``/``); keys stay ≤ 250 chars.
-
-    >>> safe_key("grad_norm/blocks[0].attn@x")
-    'grad_norm/blocks_0_.attn_x'
-    >>> safe_key("grad_norm/a//b/../c/")
-    'grad_norm/a/_b/._/c_'
-    """
-    key = _UNSAFE_KEY_CHARS.sub("_", key)
-    key = key.replace("//", "/_").replace("./", "_/").replace("..", "_.")
-    if key.startswith("/"):
-        key = "_" + key[1:]
-    if key.endswith("/"):
-        key = key[:-1] + "_"
-    return key[:250]
-
-
-def metric_key(family: str, name: str, model_name: str | None = None) -> str:
-    """``family/name``, or ``family/model_name/name`` when several models share a run."""
-    return safe_key(f"{family}/{model_name}/{name}" if model_name else f"{family}/{name}")
-
-
-def scalar_metrics(record: StepRecord) -> dict[str, float]:
-    """The record as flat ``{key: value}`` metrics, with the keys every sink uses.
-
-    >>> stats = np.array([[5.0, 4.0, 3.5, 3.54, 2, 0, 0]])
-    >>> for key in sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0))):
-    ...     print(key)
-    grad/inf_count
-    grad/max_layer_norm
-    grad/min_layer_norm
-    grad/nan_count
-    grad/total_norm
-    grad_max/fc
-    grad_mean_abs/fc
-    grad_norm/fc
-    grad_rms/fc
-    >>> sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0, per_layer=False)))[-1]
-    'grad/total_norm'
-    """
-    model = record.model_name
-    metrics = {metric_key("grad", "total_norm", model): record.total_norm}
-    if record.counted:
-        metrics[metric_key("grad", "nan_count", model)] = float(record.nan_count)
-        metrics[metric_key("grad", "inf_count", model)] = float(record.inf_count)
-    if record.dropped_steps:
-        metrics[metric_key("gradtrack", "dropped", model)] = float(record.dropped_steps)
-    if record.skipped_steps:
-        metrics[metric_key("grad", "skipped", model)] = float(record.skipped_steps)
-    extremes = record.extreme_layers()
-    if extremes is not None:
-        metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]
-        metrics[metric_key("grad", "max_layer_norm", model)] = extremes[1][1]
-    for stat, prefix in NONFINITE_KEY_PREFIX.items():
-        for layer, value in zip(record.layers, record.column(stat).tolist()):
-            if value:
-                metrics[metric_key(prefix, layer, model)] = value
-    if not record.per_layer:
-        return metrics
-    for stat in record.layer_metrics:
-        if stat in ABS_STATS and not record.abs_stats:
-            continue
-        prefix = LAYER_KEY_PREFIX[stat]
-        for layer, value in zip(record.layers, record.column(stat).tolist()):
-            metrics[metric_key(prefix, layer, model)] = value
-    ratios = record.update_ratios()
-    if ratios is not None:
-        columns = {"param": record.param_norms, "update": record.update_norms, "ratio": ratios}
-        for name, prefix in UPDATE_KEY_PREFIX.items():
-            for layer, value in zip(record.layers, columns[name].tolist()):  # type: ignore[union-attr]
-                metrics[metric_key(prefix, layer, model)] = value
-    for module, value in record.activation_grad_norms.items():
-        metrics[metric_key(ACTIVATION_KEY_PREFIX, module, model)] = value
-    if record.rank_grad_norms is not None:
-        for rank, norms in enumerate(record.rank_grad_norms.tolist()):
-            for layer, value in zip(record.layers, norms):
-                metrics[metric_key(f"{RANK_KEY_PREFIX}{rank}", layer, model)] = value
-    return metrics
 
 
 def summarise_layers(

@@ -83,7 +83,8 @@ class Heads(nn.Module):
 
 def test_layers_that_would_share_a_metric_key_get_distinct_keys() -> None:
     import gradtrack
-    from gradtrack.record import metric_key, scalar_metrics
+    from gradtrack.formats.keys import metric_key
+    from gradtrack.formats.metrics import scalar_metrics
     from gradtrack.sinks import MemorySink
 
     model = Heads()

@@ -14,7 +14,7 @@ from torch import nn
 
 import gradtrack
 from gradtrack.errors import GradientAlertError
-from gradtrack.record import scalar_metrics
+from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.sinks import MemorySink
 from gradtrack.skip import read_journal
 

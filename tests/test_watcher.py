@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.record import StepRecord, scalar_metrics
+from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink
 from tests.conftest import SmallCNN, assert_record_matches, cnn_batch, reference_stats
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from gradtrack.errors import GradtrackError
+from gradtrack.extras import require_module
+from gradtrack.formats.mlflow import LAYERS_FILE, read_alerts, read_histograms
 from gradtrack.report.data import LAYER_FAMILIES, Alert, Progress, RunData, from_series
-from gradtrack.sinks.base import require_module
-from gradtrack.sinks.mlflow import LAYERS_FILE, read_alerts, read_histograms
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from gradtrack.report import plots
 from gradtrack.report.data import RunData
+from gradtrack.report.divergence import Divergence
 from gradtrack.report.summary import Summary, sentences, summarise
 
 if TYPE_CHECKING:
@@ -25,15 +26,37 @@ def render_report(
     """Draw every figure for ``runs`` into ``out_dir``; return the HTML file's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summary or summarise(runs)
-    divergences = summary.divergence_from_first()
-    shared = [layer for layer in runs[0].layers if all(layer in r.layers for r in runs)]
     if hist_layers is None:
-        with_hist = [layer for layer in shared if all(layer in r.histograms for r in runs)]
-        hist_layers = (
-            [with_hist[i] for i in sorted({0, len(with_hist) // 2, len(with_hist) - 1})]
-            if with_hist
-            else []
-        )
+        hist_layers = _default_hist_layers(runs)
+    figures = _figures(runs, hist_layers, summary.divergence_from_first())
+    sections = [_section(name, title, figure, out_dir) for name, title, figure in figures]
+    page = _PAGE.format(
+        title=html.escape(" vs ".join(run.name for run in runs)),
+        findings="".join(f"<li>{html.escape(line)}</li>" for line in sentences(summary)),
+        runs=_runs_table(runs),
+        ranking=_ranking_table(summary),
+        rtol=summary.rtol,
+        sections="\n".join(sections),
+        alerts=_alerts_table(runs),
+    )
+    path = out_dir / "report.html"
+    path.write_text(page)
+    return path
+
+
+def _default_hist_layers(runs: list[RunData]) -> list[str]:
+    """The first, middle and last layer with histograms in every run."""
+    shared = [layer for layer in runs[0].layers if all(layer in r.layers for r in runs)]
+    with_hist = [layer for layer in shared if all(layer in r.histograms for r in runs)]
+    if not with_hist:
+        return []
+    return [with_hist[i] for i in sorted({0, len(with_hist) // 2, len(with_hist) - 1})]
+
+
+def _figures(
+    runs: list[RunData], hist_layers: list[str], divergences: list[Divergence | None]
+) -> list[tuple[str, str, Figure]]:
+    """Every figure of the report, in page order: (file name, title, figure)."""
     steps = plots.profile_steps(runs)
     color_range = plots.log_range(runs)
     figures: list[tuple[str, str, Figure]] = [
@@ -57,30 +80,20 @@ def render_report(
         for i, layer in enumerate(hist_layers)
     ]
     figures.append(("alerts", "Alert timeline", plots.alert_timeline(runs, divergences)))
+    return figures
 
-    sections = []
-    for name, title, figure in figures:
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png")
-        figure.clear()  # a report of many runs draws many figures: free each one now
-        (out_dir / f"{name}.png").write_bytes(buffer.getvalue())
-        encoded = base64.b64encode(buffer.getvalue()).decode()
-        sections.append(
-            f'<section><h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" '
-            f'src="data:image/png;base64,{encoded}"></section>'
-        )
-    page = _PAGE.format(
-        title=html.escape(" vs ".join(run.name for run in runs)),
-        findings="".join(f"<li>{html.escape(line)}</li>" for line in sentences(summary)),
-        runs=_runs_table(runs),
-        ranking=_ranking_table(summary),
-        rtol=summary.rtol,
-        sections="\n".join(sections),
-        alerts=_alerts_table(runs),
+
+def _section(name: str, title: str, figure: Figure, out_dir: Path) -> str:
+    """Write the figure's PNG into ``out_dir``; its section of the page, the PNG embedded."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    figure.clear()  # a report of many runs draws many figures: free each one now
+    (out_dir / f"{name}.png").write_bytes(buffer.getvalue())
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    return (
+        f'<section><h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" '
+        f'src="data:image/png;base64,{encoded}"></section>'
     )
-    path = out_dir / "report.html"
-    path.write_text(page)
-    return path
 
 
 def _runs_table(runs: list[RunData]) -> str:

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from gradtrack.errors import GradtrackError
+from gradtrack.extras import require_module
+from gradtrack.formats.keys import FAMILIES
+from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY
 from gradtrack.histogram import Histogram
-from gradtrack.record import FAMILIES
 from gradtrack.report.data import Progress, RunData, from_series, parse_alert_text
-from gradtrack.sinks.base import require_module
-from gradtrack.sinks.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY
 
 _BLOCK = 32 * 1024
 _HEADER = 7

@@ -6,7 +6,6 @@ Sinks are called only from gradtrack's worker thread, never from the training th
 from __future__ import annotations
 
 import difflib
-import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -35,14 +34,6 @@ class GradientSink(Protocol):
 
 SinkFactory = Callable[[GradtrackConfig], GradientSink]
 _REGISTRY: dict[str, SinkFactory] = {}
-
-
-def require_module(module: str, extra: str) -> None:
-    """Fail early, without importing it, if a backend's optional SDK is missing."""
-    if importlib.util.find_spec(module) is None:
-        raise GradtrackError(
-            f"the {module} backend needs the {module} package: pip install gradtrack[{extra}]"
-        )
 
 
 def register_sink(name: str, factory: SinkFactory) -> None:

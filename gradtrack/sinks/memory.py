@@ -9,8 +9,9 @@ import threading
 from collections.abc import Sequence
 
 from gradtrack.alerts import AlertEvent
+from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.histogram import Histogram
-from gradtrack.record import StepRecord, scalar_metrics
+from gradtrack.record import StepRecord
 
 
 class MemorySink:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from gradtrack.alerts import AlertEvent
-from gradtrack.record import metric_key, scalar_metrics
+from gradtrack.formats.keys import metric_key
+from gradtrack.formats.metrics import scalar_metrics
 from tests.conftest import SmallCNN
 from tests.scenarios import models as m
 from tests.test_layers import Heads

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.formats.mlflow import read_alerts, read_histograms
 from gradtrack.sinks import MlflowSink
-from gradtrack.sinks.mlflow import read_alerts, read_histograms
 from tests.conftest import NoUpdate, SmallCNN
 from tests.sinks.test_mlflow import train
 

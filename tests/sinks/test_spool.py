@@ -16,8 +16,8 @@ from torch import nn
 
 import gradtrack
 from gradtrack.alerts import AlertEvent
+from gradtrack.formats.mlflow import read_alerts
 from gradtrack.record import StepRecord
-from gradtrack.sinks.mlflow import read_alerts
 from gradtrack.spool import Spool, SpoolError
 from tests.sinks.mlflow_server import MlflowServer, free_port
 

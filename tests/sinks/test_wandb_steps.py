@@ -13,7 +13,7 @@ from torch import nn
 
 import gradtrack
 from gradtrack.sinks import MemorySink
-from gradtrack.sinks import wandb as wandb_sink
+from gradtrack.sinks import wandb_rows as wandb_sink
 from tests.sinks.wandb_records import history, read_records, run_dirs, summary
 
 wandb = pytest.importorskip("wandb")
