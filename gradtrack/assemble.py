@@ -131,7 +131,7 @@ class Assembler:
         return StepRecord(
             step=step, wall_time=pending.wall_time, layers=layers, stats=stats,
             total_norm=total_norm, model_name=self._model_name,
-            layer_metrics=self._layer_metrics, abs_stats=False, counted=False,
+            layer_metrics=self._layer_metrics, layer_detail="norms", counted=False,
             **(spike_fields(spike) if len(spike) else {}),
         )  # fmt: skip
 
@@ -141,7 +141,7 @@ class Assembler:
         a model tripping a rule at every step would otherwise write every layer every step."""
         if not self._first_bad_in_window(record.step) or record.per_layer:
             return record
-        return replace(record, per_layer=True)
+        return replace(record, layer_detail="norms")
 
     def build_record(
         self, pending: PendingStep, evidence: HostEvidence | None = None
@@ -168,8 +168,7 @@ class Assembler:
             histograms=self._part("histograms", lambda: self._histograms(pending.parts), {}),
             model_name=self._model_name,
             layer_metrics=self._layer_metrics,
-            per_layer=pending.per_layer,
-            abs_stats=pending.per_layer,
+            layer_detail="all" if pending.per_layer else "none",
             dropped_steps=0 if self.drops is None else self.drops.total,
             skipped_by=pending.skipped_by,
             skipped_steps=pending.skipped_steps,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -32,6 +32,12 @@ class LayerStats(NamedTuple):
     numel: int
     nan: int
     inf: int
+
+
+# Per-layer metrics of a step: "none" (a logged step between ``layer_every`` ones: totals
+# only), "norms" (the per-layer metrics, but max |g| and mean |g| were not computed: a bad
+# step between per-layer steps, or one an accelerator's guard latched), or "all".
+LayerDetail = Literal["none", "norms", "all"]
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,9 @@ class StepRecord:
     nonfinite_rank_places: tuple[str, ...] | None = None
     # The per-layer statistics sinks write as metrics (``layer_metrics`` in the config).
     layer_metrics: tuple[str, ...] = tuple(LAYER_KEY_PREFIX)
-    # Whether sinks write the per-layer metrics at this step (``layer_every``); the grad/
-    # totals and non-zero NaN/Inf counts are written at every logged step.
-    per_layer: bool = True
-    # Whether max |g| and mean |g| were computed (on the steps ``layer_every`` makes per-layer:
-    # they cost two more passes over every gradient); NaN in ``stats`` otherwise.
-    abs_stats: bool = True
+    # What this step writes per layer (see `LayerDetail`); the grad/ totals and non-zero
+    # NaN/Inf counts are written at every logged step.
+    layer_detail: LayerDetail = "all"
     # Whether NaN/Inf elements were counted. Not at a non-finite step that an accelerator's
     # guard latched between logged steps (see `gradtrack.latch`): its norms say which
     # layers went non-finite, and its count columns are 0 and never written.
@@ -99,6 +102,25 @@ class StepRecord:
     # skipped so far (written as grad/skipped once non-zero).
     skipped_by: str | None = None
     skipped_steps: int = 0
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether sinks write the per-layer metrics at this step (``layer_every``)."""
+        return self.layer_detail != "none"
+
+    @property
+    def abs_stats(self) -> bool:
+        """Whether max |g| and mean |g| were computed (on the steps ``layer_every`` makes
+        per-layer: they cost two more passes over every gradient); NaN in ``stats`` if not."""
+        return self.layer_detail == "all"
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A record spooled before layer_detail (two booleans, per_layer and abs_stats).
+        if "per_layer" in state:
+            state = dict(state)
+            per_layer, abs_stats = state.pop("per_layer"), state.pop("abs_stats", True)
+            state["layer_detail"] = "none" if not per_layer else "all" if abs_stats else "norms"
+        self.__dict__.update(state)
 
     def update_ratios(self) -> np.ndarray | None:
         """‖ΔW‖/‖W‖ per layer (rows follow ``layers``), or None if not measured."""

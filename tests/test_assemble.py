@@ -33,7 +33,7 @@ def _backward(model: nn.Module) -> None:
 
 def test_a_record_holds_exact_norms_and_its_evidence_by_name() -> None:
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
-    config = GradtrackConfig(hist_every=1)
+    config = GradtrackConfig(histograms={"every": 1})
     collector, assembler = _parts(model, config)
     _backward(model)
     evidence = StepEvidence(
@@ -90,3 +90,17 @@ def test_a_latched_bad_step_leads_the_logged_step_it_rode_with() -> None:
     assert np.isfinite(logged.total_norm)
     first = step.events[0]
     assert (first.step, first.rule, first.layer) == (7, "nonfinite", "0")
+
+
+def test_a_record_spooled_before_layer_detail_reads_the_same() -> None:
+    import pickle
+
+    from gradtrack.record import StepRecord
+
+    record = StepRecord(1, 0.0, ("fc",), np.zeros((1, 7)), 1.0, layer_detail="norms")
+    old_state = {k: v for k, v in vars(record).items() if k != "layer_detail"}
+    old_state.update(per_layer=True, abs_stats=False)  # the two booleans it replaced
+    restored = StepRecord.__new__(StepRecord)
+    restored.__setstate__(old_state)
+    assert (restored.per_layer, restored.abs_stats) == (True, False)
+    assert pickle.loads(pickle.dumps(record)).layer_detail == "norms"

@@ -29,7 +29,7 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     grad_mean_abs/fc
     grad_norm/fc
     grad_rms/fc
-    >>> sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0, per_layer=False)))[-1]
+    >>> sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0, layer_detail="none")))[-1]
     'grad/total_norm'
     """
     model = record.model_name

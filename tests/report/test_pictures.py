@@ -246,8 +246,9 @@ def test_the_kept_history_is_bounded_and_keeps_the_first_nonfinite_step() -> Non
     for step in range(5_000):
         bad = step == 1_234
         stats = np.array([[np.nan if bad else 1.0, 1, 1, 1, 4, 4 if bad else 0, 0]])
+        detail = "all" if step % 10 == 0 or bad else "none"
         history.add(StepRecord(step, 0.0, ("fc",), stats, np.nan if bad else 1.0,
-                               per_layer=step % 10 == 0 or bad))  # fmt: skip
+                               layer_detail=detail))  # fmt: skip
     assert len(history) <= 100
     run = history.run_data("r", "test")
     assert len(run.per_layer_steps()) <= 40
