@@ -67,8 +67,8 @@ def measure(name: str, reps: int) -> dict[str, float]:
     def per_layer() -> None:
         collector.collect(collector.guard(), with_samples=False, full=True)
 
-    names = collector.layer_names
-    layer_norms = LayerNorms(collector.tensor_layer, len(names))
+    names = collector.index.layer_names
+    layer_norms = LayerNorms(collector.index.tensor_layer, len(names))
     spikes = NormWindow(len(names), 128, 32, [6.0] * (1 + len(names)), [3.0] * (1 + len(names)),
                         [True] * (1 + len(names)))  # fmt: skip
     policy = SkipPolicy(watcher.alert_engine, names, max_consecutive=5)

@@ -119,8 +119,6 @@ class Collector:
         self.index = TensorIndex(
             tuple(layer.name for layer in layers), tensor_layer, np.array(numel, dtype=np.int64)
         )
-        self.layer_names = self.index.layer_names
-        self.tensor_layer = self.index.tensor_layer
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
@@ -171,7 +169,7 @@ class Collector:
             if grad is None or not param.requires_grad:
                 continue
             if self.mesh is not None and is_dtensor(grad):
-                check_placements(grad, self.layer_names[self.tensor_layer[i]])
+                check_placements(grad, self.index.layer_names[self.index.tensor_layer[i]])
             usable = self._usable(grad)
             simple = usable is grad
             indices, simples = groups[(usable.device, usable.dtype)]

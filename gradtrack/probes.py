@@ -99,7 +99,7 @@ class Probes:
         records are made, but for the output's under sharding: each rank's travels to rank 0
         with its rows, naming where a NaN arose."""
         params = collector.params
-        layer_of = {id(p): int(i) for p, i in zip(params, collector.tensor_layer)}
+        layer_of = {id(p): int(i) for p, i in zip(params, collector.index.tensor_layer)}
         self.order = BackwardOrderProbe(params, layer_of)
         records_here = ranks is None or ranks.rank == 0
         if records_here or collector.mesh is not None:

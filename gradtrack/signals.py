@@ -35,7 +35,7 @@ def build_signals(
     optimizer's step itself (an optimizer, no scaler, automatic steps), which skipping and
     update signals need; ``guard_every_step``: the guard reads every step (spikes need it)."""
     rules = config.alerts
-    layer_names = collector.layer_names
+    layer_names = collector.index.layer_names
     skip_rules = rules.skip_rules()
     if (skip_rules or config.update_signals) and not own_steps:
         feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
@@ -60,7 +60,7 @@ def build_signals(
         signals.skips = SkipPolicy(engine, layer_names, config.skip.max_consecutive)
         signals.journal = Journal(config.skip.journal)
     if signals.spikes is not None or signals.skips is not None:
-        signals.layer_norms = LayerNorms(collector.tensor_layer, len(layer_names))
+        signals.layer_norms = LayerNorms(collector.index.tensor_layer, len(layer_names))
     if config.update_signals:
         signals.updates = UpdateProbe(collector.params)
     return signals

@@ -229,7 +229,7 @@ class Stepper:
         try:
             collector, probe = self.collector, self.probes.origin
             weights = nonfinite_weight_layers(
-                collector.layer_names, collector.params, collector.tensor_layer
+                collector.index.layer_names, collector.params, collector.index.tensor_layer
             )
             fields: dict[str, Any] = {"nonfinite_weights": weights}
             if not weights and replay and probe is not None:

@@ -86,7 +86,7 @@ class Watcher:
         rank = 0 if self.ranks is None else self.ranks.rank
         self.alert_engine = AlertEngine(
             config.alerts,
-            self.collector.layer_names,
+            self.collector.index.layer_names,
             rank,
             kinds=layer_kinds(self.layers, config.granularity),
             saturating=saturating_layers(inner, self.layers),
@@ -162,7 +162,7 @@ class Watcher:
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        return self.collector.layer_names
+        return self.collector.index.layer_names
 
     @property
     def sinks(self) -> list[GradientSink]:

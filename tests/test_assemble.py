@@ -21,7 +21,7 @@ from gradtrack.layers import discover_layers
 
 def _parts(model: nn.Module, config: GradtrackConfig) -> tuple[Collector, Assembler]:
     collector = Collector(discover_layers(model, config), 256, seed=0)
-    engine = AlertEngine(config.alerts, collector.layer_names)
+    engine = AlertEngine(config.alerts, collector.index.layer_names)
     return collector, Assembler(collector.index, config, engine, activation_names=("act",))
 
 
