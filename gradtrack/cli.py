@@ -120,19 +120,32 @@ def _parser() -> argparse.ArgumentParser:
             help="the runs should be identical: exact comparison (unless --rtol), exit 1 if "
             "any two part",
         )  # fmt: skip
-    sync = commands.add_parser("sync", help="deliver what runs left in their spools")
-    sync.add_argument("spools", nargs="*", type=Path, metavar="SPOOL")
+    sync = commands.add_parser(
+        "sync", help="deliver what runs left in their spools",
+        description="Deliver to their trackers the steps and alerts that runs left in their "
+        "spools (a tracker away at close, a killed process), each once, then delete the "
+        "spools. A line every few seconds shows the progress.",
+    )  # fmt: skip
+    sync.add_argument(
+        "spools", nargs="*", type=Path, metavar="SPOOL",
+        help="a spool folder (the path the run's warning named) or a folder of spools; "
+        "none: every spool on this machine ($GRADTRACK_SPOOL_DIR, else "
+        "~/.cache/gradtrack/spool)",
+    )  # fmt: skip
     sync.add_argument(
         "--timeout", type=float, default=300.0,
-        help="seconds to keep retrying an unreachable tracker, per spool (default 300)",
+        help="give up on a spool after this many seconds without progress (an "
+        "unreachable tracker; default 300); the spool is kept",
     )  # fmt: skip
     return parser
 
 
 def run_sync(spools: list[Path], timeout_s: float) -> int:
+    from gradtrack.log import show_in_terminal
     from gradtrack.spool import default_root
     from gradtrack.sync import spools_under, sync
 
+    show_in_terminal()
     paths = [p for root in spools or [default_root()] for p in spools_under(root)]
     if not paths:
         print("gradtrack: nothing to sync", file=sys.stderr)

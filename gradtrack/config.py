@@ -97,8 +97,10 @@ class MlflowOptions(BaseModel):
     request_timeout_s: float = Field(
         10.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Timeout of one request."
     )
-    max_buffered_steps: PositiveInt = Field(
-        10_000, description="Steps kept while the server is unreachable; then the oldest go."
+    max_buffered_steps: PositiveInt | None = Field(
+        None,
+        description="Deprecated, has no effect: steps wait in the run's spool (spool.mib), "
+        "the only backlog, while the server is unreachable. Removed in the next release.",
     )
     retry_max_s: float = Field(
         30.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Longest wait between retries."
@@ -106,14 +108,23 @@ class MlflowOptions(BaseModel):
     hist_chunk_steps: PositiveInt = Field(
         100, description="Histogram steps per stored file (also written at flush and close)."
     )
+    hist_chunk_s: float = Field(
+        60.0,
+        gt=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
+        description="Or whatever histograms wait after this long, as one file: histograms "
+        "in the run stay at most this much behind the metrics.",
+    )
     send_every_s: float = Field(
         5.0,
         ge=0,
         le=_HOUR_S,
         allow_inf_nan=False,
-        description="Send buffered steps at most this often: a full request (1,000 metrics), "
-        "an alert, flush() and close() go at once. MLflow's stores cost per request as well "
-        "as per metric, so fewer, fuller requests cost less. 0: send at every write.",
+        description="While delivery keeps up, let steps gather this long before they go: "
+        "a full batch, an alert (within a second), flush() and close() go at once, and a "
+        "backlog goes as fast as MLflow takes it. MLflow's stores cost per request as well "
+        "as per metric, so fewer, fuller requests cost less. 0: send as steps come.",
     )
     pictures: bool = Field(
         True,
@@ -124,6 +135,18 @@ class MlflowOptions(BaseModel):
     pictures_every: PositiveInt | None = Field(
         None, description="Also redraw them every N steps (None: at close only)."
     )
+
+    @field_validator("max_buffered_steps")
+    @classmethod
+    def _no_second_buffer(cls, value: int | None) -> int | None:
+        if value is not None:
+            warnings.warn(
+                "mlflow.max_buffered_steps has no effect: steps wait in the run's spool "
+                "(bounded by spool.mib) while MLflow is away; drop the option",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return value
 
 
 class DistributedOptions(BaseModel):

@@ -1,11 +1,12 @@
 """One delivery thread per sink: the worker hands calls over and never waits on a tracker.
 
 A sink that blocks — a frozen server, a cold start importing its SDK and creating its store,
-a locked database — holds up only its own courier. A tracker sink (one that can say what its
-tracker really has, see `SpooledCourier`) reads its steps from the run's durable spool and
-moves its cursor there once they are delivered: nothing is lost however long the tracker is
-away, only the spool's disk bound can drop. Any other sink (memory, console, your own) keeps
-its waiting steps in memory, bounded by ``capacity`` steps, the oldest dropped and counted.
+a locked database — holds up only its own courier. A `TrackerSink` is delivered from the
+run's spool by a `SpooledCourier`: the spool is its only backlog, the courier its only retry
+loop, and its cursors move once `send` returned (the tracker holds the batch). Nothing is
+lost however long the tracker is away; only the spool's disk bound can drop. Any other sink
+(memory, console, W&B, your own) keeps its waiting steps in memory, bounded by ``capacity``
+steps, the oldest dropped and counted.
 """
 
 from __future__ import annotations
@@ -15,26 +16,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.drops import DropCount
 from gradtrack.record import StepRecord
-from gradtrack.sinks.base import GradientSink
+from gradtrack.redact import redact
+from gradtrack.sinks.base import GradientSink, TrackerSink
 from gradtrack.spool import Item, Spool
-
-
-@runtime_checkable
-class TrackerSink(GradientSink, Protocol):
-    """A sink whose deliveries can be confirmed and resumed from a spool in another process."""
-
-    def delivered(self) -> int:
-        """How many of the items handed to it (records and alerts, in the order handed) its
-        tracker has, every one up to that count: what may leave the spool."""
-
-    def spool_target(self) -> dict[str, Any]:
-        """JSON-safe, secret-free: how `gradtrack sync` reaches the same run again."""
-
 
 _Call = tuple[str, tuple[Any, ...], "threading.Event | None"]
 
@@ -134,16 +123,39 @@ class Courier(_Thread):
                 return
 
 
-class SpooledCourier(_Thread):
-    """Delivers a tracker sink's items from the spool, in order, each once, and confirms in
-    the spool what the tracker has. Calls posted (flush, close) run once every item appended
-    before them was handed over."""
+class _Lane:
+    """One stream of a tracker sink's items from the spool, with a cursor of its own: every
+    item (records and alerts, to `send`), or the records that carry histograms (to
+    `send_histograms`)."""
 
-    # Items handed to the sink but not confirmed, at most: beyond, the rest wait on disk and
-    # the courier only drives the sink's retries.
-    MAX_UNCONFIRMED = 2_000
-    _RETRY_EVERY_S = 0.5
-    _CONFIRM_EVERY_S = 0.2
+    def __init__(self, spool: Spool, cursor: str, histograms: bool, batch: int) -> None:
+        self.spool, self.cursor, self.histograms, self.batch = spool, cursor, histograms, batch
+        spool.add_cursor(cursor)
+        self.position = spool.cursor(cursor)  # every item through it is delivered
+        self.pending: list[Item] | None = None  # the batch being sent (again, after a failure)
+        self.waiting_since: float | None = None  # when items were first seen waiting
+
+    def read(self, through: int) -> list[Item]:
+        if self.pending is None:
+            self.pending = self.spool.read(self.position, self.batch, through, self.histograms)
+        return self.pending
+
+    def passed(self, through: int) -> None:
+        """Every item of this lane through ``through`` is delivered (or none was waiting)."""
+        self.pending, self.waiting_since = None, None
+        if through > self.position:
+            self.position = through
+            self.spool.confirm(self.cursor, through)
+
+
+class SpooledCourier(_Thread):
+    """Delivers a `TrackerSink`'s items from the spool, in order, each once; the only place
+    delivery retries. A batch that fails is sent again after a backoff (0.5 s doubling to
+    the sink's ``retry_max_s``), the outage warned about once; the spool holds everything
+    meanwhile. Calls posted (flush, close) run once every item appended before them went."""
+
+    _ALERT_WAIT_S = 1.0  # an alert waits at most this long for company
+    _IDLE_S = 0.5
 
     def __init__(
         self,
@@ -151,22 +163,26 @@ class SpooledCourier(_Thread):
         spool: Spool,
         sink_id: str,
         on_error: Callable[[str], None],
-        max_batch_steps: int = 32,
         start: bool = True,
     ) -> None:
         super().__init__(sink, on_error)
-        self.spool = spool
-        self.sink_id = sink_id
-        self._tracker = sink
-        self._max_batch = max_batch_steps
-        self._reader = spool.reader(spool.cursor(sink_id))
+        self.spool, self.sink_id, self._tracker = spool, sink_id, sink
+        self._lanes = [_Lane(spool, sink_id, False, sink.batch_items)]
+        if sink.histogram_steps > 0:
+            self._lanes.append(
+                _Lane(spool, f"{sink_id}/histograms", True, sink.histogram_steps)
+            )
         self._available = spool.last_seq  # appended items the worker has announced
-        self._handed: deque[int] = deque()  # seqs handed to the sink, not yet confirmed
-        self._handed_count = 0
-        self._confirmed_count = 0
-        self._unsaved: int | None = None  # confirmed by the tracker, not yet on disk
-        self._saved_at = 0.0
-        self._target = sink.spool_target()
+        self._last_sent = -float("inf")
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._outage = False
+        self.failures = 0  # sends that failed and were retried
+        self.stalled = False  # the tracker refuses, and waiting does not help
+        self._progress_at = -float("inf")  # the last send that went
+        self.starting = True  # the first send (an SDK's import, a run's creation) is under way
+        self._closing_since: float | None = None
+        self._target = self._safe_target()
         if start:
             self._thread.start()
 
@@ -177,7 +193,7 @@ class SpooledCourier(_Thread):
             self._changed.notify_all()
 
     def post_after(self, method: str, *args: Any) -> threading.Event:
-        """`post`, to run once every item announced so far was handed over."""
+        """`post`, to run once every item announced so far was delivered."""
         done = threading.Event()
         with self._changed:
             self._calls.append((method, (self._available, *args), done))
@@ -192,82 +208,122 @@ class SpooledCourier(_Thread):
         yield_cpu_to_training()
         while True:
             with self._changed:
-                self._changed.wait_for(self._work_waiting, timeout=self._RETRY_EVERY_S)
                 call = self._calls[0] if self._calls else None
-                read_through = self._available if call is None else call[1][0]
-            if self._handed_so_far() < read_through:
-                self._deliver(read_through)
+                through = self._available if call is None else call[1][0]
+            wait_s = self._deliver(through, forced=call is not None)
+            if wait_s is None:
+                continue  # sent something: look again at once
+            if call is not None and all(lane.position >= through for lane in self._lanes):
+                self._run_call(call, complete=True)
+                if call[0] == "close":
+                    return
                 continue
-            if call is None:
-                if self._handed:  # the tracker still owes confirmations: drive its retries
-                    self._nudge()
-                continue
-            with self._changed:
-                self._calls.popleft()
-            method, (_, *args), done = call
-            self._call(method, *args)
-            self._confirm(force=True)
-            if done is not None:
-                done.set()
-            if method == "close":
+            if call is not None and call[0] == "close" and self._given_up(call):
+                self._run_call(call, complete=False)
                 return
+            with self._changed:
+                head = self._calls[0] if self._calls else None
+                news = head is not call or (call is None and self._available > through)
+                if not news:
+                    self._changed.wait(wait_s)
 
-    def _nudge(self) -> None:
-        """Drive the sink's retries while its tracker owes confirmations, and take any."""
-        self._call("retry" if hasattr(self.sink, "retry") else "flush")
-        self._confirm()
-
-    def _work_waiting(self) -> bool:
-        return bool(self._calls) or self._handed_so_far() < self._available
-
-    def _handed_so_far(self) -> int:
-        return self._reader.position  # the last seq read is handed at once
-
-    def _deliver(self, through: int) -> None:
-        """Hand the next items (a batch of records, or one alert) to the sink."""
-        if len(self._handed) >= self.MAX_UNCONFIRMED:
-            time.sleep(self._RETRY_EVERY_S)  # the tracker is behind: let the disk hold them
-            self._nudge()
-            return
-        items = list(self._reader.items(self._max_batch, through))
-        if not items:
-            time.sleep(0.01)  # announced but not yet readable (should not happen)
-            return
-        records: list[Item] = []
-        for item in items:
-            if isinstance(item.payload, StepRecord):
-                records.append(item)
-                continue
-            self._hand(records)
-            records = []
-            self._hand([item])
-        self._hand(records)
-        self._confirm()
-
-    def _hand(self, items: list[Item]) -> None:
-        if not items:
-            return
-        if isinstance(items[0].payload, StepRecord):
-            self._call("write", [item.payload for item in items])
-        else:
-            self._call("alert", items[0].payload)
-        self._handed.extend(item.seq for item in items)
-        self._handed_count += len(items)
-
-    def _confirm(self, force: bool = False) -> None:
-        """Move the spool cursor past what the tracker confirmed: on disk at most every
-        0.2 s (each time a small file is replaced), and always when ``force``d."""
-        try:
-            delivered = min(self._tracker.delivered(), self._handed_count)
-        except Exception:  # a sink that cannot tell has delivered nothing new
-            delivered = self._confirmed_count
-        while self._confirmed_count < delivered:
-            self._unsaved = self._handed.popleft()
-            self._confirmed_count += 1
+    def _deliver(self, through: int, forced: bool) -> float | None:
+        """Send what is due on every lane: None if something went, else how long to wait
+        before anything can be due."""
         now = time.monotonic()
-        if self._unsaved is not None and (force or now - self._saved_at >= self._CONFIRM_EVERY_S):
-            self.spool.confirm(self.sink_id, self._unsaved)
-            self._unsaved, self._saved_at = None, now
+        if now < self._retry_at:
+            return self._retry_at - now
+        waits, sent = [self._IDLE_S], False
+        for lane in self._lanes:
+            count, alerts = self.spool.waiting(lane.position, through, lane.histograms)
+            if count == 0:
+                if lane.position < through and (forced or lane.histograms):
+                    lane.passed(through)  # nothing of this lane's kind waits
+                continue
+            if lane.waiting_since is None:
+                lane.waiting_since = now
+            due_in = 0.0 if forced else self._due_in(lane, count, alerts, now)
+            if due_in > 0:
+                waits.append(due_in)
+            elif self._send(lane, through):
+                sent = True
+            else:
+                return max(0.0, self._retry_at - time.monotonic())
+        return None if sent else min(waits)
+
+    def _due_in(self, lane: _Lane, count: int, alerts: int, now: float) -> float:
+        sink = self._tracker
+        if count >= lane.batch:
+            return 0.0
+        assert lane.waiting_since is not None
+        if lane.histograms:
+            return lane.waiting_since + sink.histogram_wait_s - now
+        if alerts:
+            return self._last_sent + self._ALERT_WAIT_S - now
+        return self._last_sent + sink.gather_s - now
+
+    def _send(self, lane: _Lane, through: int) -> bool:
+        items = lane.read(through)
+        if not items:
+            lane.passed(through)
+            return True
+        payloads = [item.payload for item in items]
+        try:
+            if lane.histograms:
+                self._tracker.send_histograms(payloads)  # type: ignore[arg-type]
+            else:
+                self._tracker.send(payloads)
+        except Exception as exc:
+            self.starting = False
+            self._failed(exc)
+            return False
+        self.starting = False
+        self._recovered()
+        self._progress_at = time.monotonic()
+        full = len(items) >= lane.batch
+        lane.passed(items[-1].seq if full or not lane.histograms else through)
+        self._last_sent = time.monotonic()
+        self._describe()
+        return True
+
+    def _failed(self, error: Exception) -> None:
+        self.failures += 1
+        self._backoff_s = min(self._tracker.retry_max_s, max(0.5, self._backoff_s * 2))
+        self._retry_at = time.monotonic() + self._backoff_s
+        try:
+            self.stalled = not self._tracker.waiting_helps(error)
+            message = self._tracker.failure_message(error)
+        except Exception as exc:
+            message = f"{type(self.sink).__name__} failed: {error!r} (and {exc!r})"
+        if not self._outage:
+            self._outage = True
+            self._on_error(redact(message))
+
+    def _recovered(self) -> None:
+        self._backoff_s, self._retry_at = 0.0, 0.0
+        self._outage = self.stalled = False
+
+    def _given_up(self, close: _Call) -> bool:
+        """At close: the tracker refuses (waiting does not help), or nothing went for the
+        close's ``patience_s`` (an outage; the spool keeps the rest for `gradtrack sync`)."""
+        if self._closing_since is None:
+            self._closing_since = time.monotonic()
+        patience_s = close[1][1] if len(close[1]) > 1 else float("inf")
+        quiet_since = max(self._closing_since, self._progress_at)
+        return self.stalled or time.monotonic() - quiet_since > patience_s
+
+    def _run_call(self, call: _Call, complete: bool) -> None:
+        with self._changed:
+            self._calls.popleft()
+        method, _, done = call
+        if method == "close":
+            self._call("end", complete)
+        else:
+            self._call(method)
+        if done is not None:
+            done.set()
+
+    def _describe(self) -> None:
         target = self._safe_target()
         if target is not None and target != self._target:
             self._target = target
@@ -278,6 +334,11 @@ class SpooledCourier(_Thread):
             return self._tracker.spool_target()
         except Exception:
             return None
+
+    @property
+    def left(self) -> int:
+        """Items of the spool this courier has not delivered yet."""
+        return max(0, self.spool.last_seq - min(lane.position for lane in self._lanes))
 
 
 def yield_cpu_to_training() -> None:

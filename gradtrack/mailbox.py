@@ -100,6 +100,10 @@ class Mailbox:
             self._steps = self._bytes = 0
             self._changed.notify_all()
 
+    def __len__(self) -> int:
+        """Steps waiting for the worker."""
+        return self._steps
+
     def put_control(self, item: Control) -> None:
         with self._changed:
             self._items.append(item)

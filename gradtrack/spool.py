@@ -1,20 +1,25 @@
 """A run's durable spool: every record and alert on local disk before any tracker sees it.
 
 The worker appends each item (a `StepRecord` or an `AlertEvent`) the moment it is built; one
-courier per tracker sink reads them back in order and moves that sink's cursor once the
+courier per tracker sink reads them back in order and moves that sink's cursors once the
 tracker really has them. A frozen, killed or late server, a locked database or a process
 that dies therefore loses nothing: what a sink has not confirmed stays on disk, and
-``gradtrack sync PATH`` delivers it later, from the cursor on.
+``gradtrack sync PATH`` delivers it later, from the cursors on. The spool is the only backlog
+delivery has.
 
 On disk, one folder per run::
 
-    spool.json          the sinks it was meant for (backend and how to reach the run again)
-    seg-<seq>.log       items in frames: seq, length, CRC32, then a restricted pickle
-    <sink>.cursor       the last seq that sink's tracker confirmed
+    spool.db     SQLite (WAL): items (seq, kind, has_histograms, body), cursors
+                 (name → last confirmed seq), meta (version, sinks, outcome)
+    spool.lock   held while a process uses the spool
 
-Segments every sink has passed are deleted; a run whose sinks confirmed everything leaves
-nothing behind. Past ``max_bytes`` of undelivered items new items are dropped and counted:
-the only way the spool loses anything.
+Item bodies are `gradtrack.spool_codec`'s JSON-plus-arrays: reading a spool runs no code
+from it. Items every cursor has passed are deleted; a run whose sinks confirmed everything
+leaves nothing behind. Past ``max_bytes`` of undelivered items new items are dropped and
+counted: the only way the spool loses anything.
+
+A spool may also live in memory (``path=None``): the same backlog and delivery for a run
+whose spool is off or could not be made, lost with the process.
 """
 
 from __future__ import annotations
@@ -23,22 +28,30 @@ import io
 import itertools
 import json
 import os
-import pickle
 import re
 import shutil
-import struct
+import sqlite3
 import threading
 import time
-import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_FRAME = struct.Struct("<QII")  # seq, payload length, CRC32 of the payload
-_META = "spool.json"
+from gradtrack.record import StepRecord as _Record
+from gradtrack.spool_codec import CodecError, Payload, decode, encode
+
+FORMAT_VERSION = 2
+DB_FILE = "spool.db"
+_OLD_META = "spool.json"  # format 1 (gradtrack 0.1): pickled frames in seg-*.log
 _SERIAL = itertools.count()  # several runs of one process never share a folder
-SEGMENT_BYTES = 8 << 20
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS items (
+    seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, has_histograms INTEGER NOT NULL,
+    body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS cursors (name TEXT PRIMARY KEY, seq INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
 
 
 def default_root() -> Path:
@@ -50,33 +63,56 @@ def default_root() -> Path:
     return Path(cache) / "gradtrack" / "spool"
 
 
+def is_spool(path: Path) -> bool:
+    """A spool folder of any format (an old one is told apart when opened)."""
+    return (path / DB_FILE).exists() or (path / _OLD_META).exists()
+
+
 @dataclass(frozen=True)
 class Item:
     seq: int
-    payload: Any  # a StepRecord or an AlertEvent
+    payload: Payload
 
 
 class SpoolError(Exception):
-    """A spool folder that cannot be read (not a spool, or written by a newer gradtrack)."""
+    """A spool that cannot be read: not a spool, another format, corrupted, or in use."""
 
 
 class Spool:
     """One run's append-only log and its sinks' cursors. Appends come from one thread (the
-    worker); each cursor is read and moved by one courier."""
+    worker); each cursor is read and moved by one courier. One connection, one lock: every
+    operation is a short statement."""
 
-    def __init__(self, path: Path, max_bytes: int, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(self, path: Path | None, max_bytes: int) -> None:
         self.path = path
         self.max_bytes = max_bytes
-        self.segment_bytes = segment_bytes
         self.dropped = 0
         self._lock = threading.Lock()
-        self._segments: list[tuple[int, Path]] = []  # (first seq, file), oldest first
-        self._cursors: dict[str, int] = {}
-        self._bytes = 0
-        self._next_seq = 1
-        self._writer: io.BufferedWriter | None = None
-        self._lock_file = _hold_lock(path)
-        self._load()
+        self._lock_file: io.TextIOWrapper | None = None
+        if path is not None:
+            _refuse_old_format(path)
+            if not (path / DB_FILE).exists():
+                raise SpoolError(f"{path} is not a gradtrack spool (no {DB_FILE})")
+            self._lock_file = _hold_lock(path)
+        try:
+            self._db = sqlite3.connect(
+                ":memory:" if path is None else str(path / DB_FILE),
+                check_same_thread=False,
+                isolation_level=None,  # autocommit; transactions are explicit
+                timeout=30.0,
+            )
+            if path is not None:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")  # a process crash loses nothing
+            self._db.executescript(_SCHEMA)
+            self._check_version()
+            self._bytes = self._scalar("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM items")
+            self._last_seq = self._scalar("SELECT COALESCE(MAX(seq), 0) FROM items")
+            self._last_seq = max(self._last_seq, self._scalar(
+                "SELECT COALESCE(MAX(seq), 0) FROM cursors"))  # fmt: skip
+        except sqlite3.DatabaseError as exc:
+            self._release_lock()
+            raise SpoolError(f"{path} is not a readable gradtrack spool ({exc})") from None
 
     # -- creating and opening --------------------------------------------------------------
     @classmethod
@@ -88,205 +124,221 @@ class Spool:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
         path = root / f"{stamp}-{name}-{os.getpid()}-{next(_SERIAL)}"
         path.mkdir(parents=True, exist_ok=False)
-        (path / _META).write_text(json.dumps({"version": 1, "sinks": sinks}, indent=1))
-        spool = cls(path, max_bytes)
-        for sink_id in sinks:
-            spool.confirm(sink_id, 0)
+        _initialise(path / DB_FILE, sinks)
+        return cls(path, max_bytes)
+
+    @classmethod
+    def in_memory(cls, sinks: dict[str, dict[str, Any]], max_bytes: int) -> Spool:
+        """A spool that lives in this process only."""
+        spool = cls(None, max_bytes)
+        with spool._lock:
+            spool._write_meta(spool._db, {"version": FORMAT_VERSION, "sinks": sinks})
         return spool
 
     @staticmethod
     def meta_of(path: Path) -> dict[str, Any]:
-        """``spool.json``: the sinks this spool was meant for (id → how to reach the run)
-        and, once known, how training ended (``outcome``)."""
+        """The sinks this spool was meant for (id → how to reach the run) and, once known,
+        how training ended (``outcome``); read without taking the spool."""
+        _refuse_old_format(path)
         try:
-            meta = json.loads((path / _META).read_text())
-        except (OSError, ValueError) as exc:
-            raise SpoolError(f"{path} is not a gradtrack spool ({exc})") from exc
-        if not isinstance(meta, dict) or meta.get("version") != 1:
-            raise SpoolError(f"{path} was not written by this version of gradtrack")
+            db = sqlite3.connect(f"file:{path / DB_FILE}?mode=ro", uri=True)
+            try:
+                rows = dict(db.execute("SELECT key, value FROM meta").fetchall())
+            finally:
+                db.close()
+            meta = {key: json.loads(value) for key, value in rows.items()}
+        except (sqlite3.Error, ValueError) as exc:
+            raise SpoolError(f"{path} is not a readable gradtrack spool ({exc})") from None
+        if meta.get("version") != FORMAT_VERSION or not isinstance(meta.get("sinks"), dict):
+            raise SpoolError(
+                f"{path} is a spool of format {meta.get('version')!r}; this gradtrack reads "
+                f"format {FORMAT_VERSION}"
+            )
         return meta
 
-    def _load(self) -> None:
-        for file in sorted(self.path.glob("seg-*.log")):
-            self._segments.append((int(file.stem.removeprefix("seg-")), file))
-            self._bytes += file.stat().st_size
-        for file in self.path.glob("*.cursor"):
-            self._cursors[file.stem] = int(file.read_text() or 0)
-        last = max((item.seq for item in self._read_segment(-1)), default=0)
-        self._next_seq = max(last, self._segments[-1][0] - 1 if self._segments else 0) + 1
+    def _check_version(self) -> None:
+        version = self._db.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
+        if self.path is not None and (version is None or json.loads(version[0]) != FORMAT_VERSION):
+            found = None if version is None else version[0]
+            raise SpoolError(
+                f"{self.path} is a spool of format {found}; this gradtrack reads format "
+                f"{FORMAT_VERSION}"
+            )
 
     # -- the worker's side -----------------------------------------------------------------
-    def append(self, payload: Any) -> int | None:
-        """Write one item; its seq, or None if the spool is full (the item is dropped)."""
-        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    def append(self, payloads: Iterable[Payload]) -> list[int | None]:
+        """Write the items in one transaction; each one's seq, or None where the spool was
+        full (that item is dropped and counted)."""
+        encoded = [(payload, encode(payload)) for payload in payloads]
+        seqs: list[int | None] = []
         with self._lock:
-            if self._bytes + len(data) > self.max_bytes and self._bytes > 0:
-                self.dropped += 1
-                return None
-            seq = self._next_seq
-            writer = self._writer_for(seq)
-            writer.write(_FRAME.pack(seq, len(data), zlib.crc32(data)))
-            writer.write(data)
-            writer.flush()  # into the OS: a crash of this process loses nothing after here
-            self._bytes += _FRAME.size + len(data)
-            self._next_seq += 1
-            return seq
-
-    def _writer_for(self, seq: int) -> io.BufferedWriter:
-        if self._writer is not None and self._writer.tell() < self.segment_bytes:
-            return self._writer
-        if self._writer is not None:
-            self._writer.close()
-        file = self.path / f"seg-{seq:020d}.log"
-        self._segments.append((seq, file))
-        self._writer = open(file, "ab")
-        return self._writer
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for payload, body in encoded:
+                    if self._bytes + len(body) > self.max_bytes and self._bytes > 0:
+                        self.dropped += 1
+                        seqs.append(None)
+                        continue
+                    seq = self._last_seq + 1
+                    kind = "alert" if not isinstance(payload, _Record) else "record"
+                    histograms = int(isinstance(payload, _Record) and bool(payload.histograms))
+                    self._db.execute(
+                        "INSERT INTO items VALUES (?, ?, ?, ?)", (seq, kind, histograms, body)
+                    )
+                    self._last_seq = seq
+                    self._bytes += len(body)
+                    seqs.append(seq)
+                self._db.execute("COMMIT")  # in the OS: a crash of this process loses nothing
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return seqs
 
     @property
     def last_seq(self) -> int:
         with self._lock:
-            return self._next_seq - 1
-
-    def close(self) -> None:
-        with self._lock:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-            if self._lock_file is not None:
-                self._lock_file.close()  # releases the lock
-                self._lock_file = None
+            return self._last_seq
 
     # -- a courier's side ------------------------------------------------------------------
-    def reader(self, after: int) -> Reader:
-        """Reads the items after seq ``after`` in order, picking up where it stopped."""
-        return Reader(self, after)
-
-    def segments_from(self, seq: int) -> list[tuple[int, Path]]:
-        """The segments that may hold ``seq`` and later items, oldest first."""
+    def read(
+        self, after: int, limit: int, through: int | None = None, histograms_only: bool = False
+    ) -> list[Item]:
+        """Up to ``limit`` items after seq ``after`` (through ``through``), oldest first;
+        ``histograms_only``: only the records that carry histograms."""
+        through = self.last_seq if through is None else through
+        query = "SELECT seq, body FROM items WHERE seq > ? AND seq <= ?"
+        if histograms_only:
+            query += " AND has_histograms = 1"
         with self._lock:
-            segments = list(self._segments)
-        keep = [i for i, (first, _) in enumerate(segments) if first <= seq]
-        return segments[keep[-1] if keep else 0 :]
+            cursor = self._db.execute(query + " ORDER BY seq LIMIT ?", (after, through, limit))
+            rows = cursor.fetchall()
+        items = []
+        for seq, body in rows:
+            try:
+                items.append(Item(seq, decode(body)))
+            except CodecError as exc:
+                raise SpoolError(f"item {seq} of the spool at {self.path}: {exc}") from None
+        return items
 
-    def cursor(self, sink_id: str) -> int:
+    def waiting(self, after: int, through: int, histograms_only: bool = False) -> tuple[int, int]:
+        """How many items (and how many alerts among them) wait after seq ``after``
+        through ``through``; ``histograms_only``: records carrying histograms."""
+        query = (
+            "SELECT COUNT(*), COALESCE(SUM(kind = 'alert'), 0) FROM items"
+            " WHERE seq > ? AND seq <= ?"
+        )
+        if histograms_only:
+            query += " AND has_histograms = 1"
         with self._lock:
-            return self._cursors.get(sink_id, 0)
+            count, alerts = self._db.execute(query, (after, through)).fetchone()
+        return int(count), int(alerts)
 
-    def confirm(self, sink_id: str, seq: int) -> None:
-        """The sink's tracker has every item through ``seq``: persist it, and delete the
-        segments every sink has passed."""
-        file = self.path / f"{sink_id}.cursor"
-        partial = file.with_suffix(".partial")
-        partial.write_text(str(seq))
-        os.replace(partial, file)
+    def cursor(self, name: str) -> int:
         with self._lock:
-            self._cursors[sink_id] = seq
-            done = min(self._cursors.values())
-            while len(self._segments) > 1 and self._segments[1][0] <= done + 1:
-                _, old = self._segments.pop(0)
-                self._bytes -= old.stat().st_size
-                old.unlink()
+            row = self._db.execute("SELECT seq FROM cursors WHERE name = ?", (name,)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def cursors(self) -> dict[str, int]:
+        with self._lock:
+            return {name: int(seq) for name, seq in self._db.execute("SELECT * FROM cursors")}
+
+    def add_cursor(self, name: str, seq: int = 0) -> None:
+        """A cursor that starts at ``seq`` unless it exists already."""
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO cursors VALUES (?, ?)", (name, seq))
+
+    def confirm(self, name: str, seq: int) -> None:
+        """The tracker behind cursor ``name`` has every item through ``seq``: persist it, and
+        delete the items every cursor has passed."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("UPDATE cursors SET seq = MAX(seq, ?) WHERE name = ?", (seq, name))
+                done = self._scalar("SELECT COALESCE(MIN(seq), 0) FROM cursors")
+                freed = self._scalar(
+                    "SELECT COALESCE(SUM(LENGTH(body)), 0) FROM items WHERE seq <= ?", done
+                )
+                if freed:
+                    self._db.execute("DELETE FROM items WHERE seq <= ?", (done,))
+                    self._bytes -= freed
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def describe(self, sink_id: str, target: dict[str, Any]) -> None:
         """Record how ``gradtrack sync`` reaches this sink's run (e.g. once its id is known)."""
-        self._update_meta(lambda meta: meta["sinks"].__setitem__(sink_id, target))
+        with self._lock:
+            sinks = json.loads(self._meta_value("sinks") or "{}")
+            sinks[sink_id] = target
+            self._write_meta(self._db, {"sinks": sinks})
 
     def note_outcome(self, outcome: str) -> None:
         """How training ended: a run gradtrack started is ended so once delivered."""
-        self._update_meta(lambda meta: meta.__setitem__("outcome", outcome))
-
-    def _update_meta(self, change: Any) -> None:
         with self._lock:
-            meta = json.loads((self.path / _META).read_text())
-            change(meta)
-            partial = self.path / (_META + ".partial")
-            partial.write_text(json.dumps(meta, indent=1))
-            os.replace(partial, self.path / _META)
+            self._write_meta(self._db, {"outcome": outcome})
+
+    def meta(self) -> dict[str, Any]:
+        with self._lock:
+            rows = self._db.execute("SELECT key, value FROM meta").fetchall()
+        return {key: json.loads(value) for key, value in rows}
 
     def undelivered(self) -> int:
-        """Items some sink has not confirmed."""
+        """Items some cursor has not passed."""
         with self._lock:
-            return self._next_seq - 1 - min(self._cursors.values(), default=self._next_seq - 1)
+            done = self._scalar("SELECT COALESCE(MIN(seq), ?) FROM cursors", self._last_seq)
+            return self._last_seq - done
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._db.close()
+            finally:
+                self._release_lock()
 
     def remove(self) -> None:
         self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
 
-    def _read_segment(self, index: int) -> Iterator[Item]:
-        if not self._segments:
-            return iter(())
-        return Reader(self, 0, self._segments[index:]).items()
+    # -- helpers ---------------------------------------------------------------------------
+    def _scalar(self, query: str, *args: Any) -> int:
+        return int(self._db.execute(query, args).fetchone()[0])
 
+    def _meta_value(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
 
-class Reader:
-    """One courier's position in a spool: segment and byte offset of the next frame."""
-
-    def __init__(
-        self, spool: Spool, after: int, segments: list[tuple[int, Path]] | None = None
-    ) -> None:
-        self._spool = spool
-        self._after = after
-        self._segments = segments
-        self._file: Path | None = None
-        self._offset = 0
-
-    @property
-    def position(self) -> int:
-        """The seq of the last item read (or skipped as already delivered)."""
-        return self._after
-
-    def items(self, limit: int | None = None, through: int | None = None) -> Iterator[Item]:
-        """Up to ``limit`` items not yet read, up to seq ``through``. A frame not yet whole
-        (being appended, or torn by a killed process) ends the read; the next call tries it
-        again."""
-        count = 0
-        while (limit is None or count < limit) and (through is None or self._after < through):
-            frame = self._next_frame()
-            if frame is None:
-                return
-            if frame.seq > self._after:
-                self._after = frame.seq
-                count += 1
-                yield frame
-
-    def _next_frame(self) -> Item | None:
-        while True:
-            if self._file is None and not self._open_next():
-                return None
-            assert self._file is not None
-            try:
-                with self._file.open("rb") as handle:
-                    handle.seek(self._offset)
-                    header = handle.read(_FRAME.size)
-                    if len(header) == _FRAME.size:
-                        seq, length, crc = _FRAME.unpack(header)
-                        payload = handle.read(length)
-                        if len(payload) == length and zlib.crc32(payload) == crc:
-                            self._offset += _FRAME.size + length
-                            return Item(seq, _SafeUnpickler(io.BytesIO(payload)).load())
-            except FileNotFoundError:  # deleted: every sink had passed it
-                pass
-            if not self._open_next():  # the end of this segment, if a later one exists
-                return None
-
-    def _open_next(self) -> bool:
-        """Move to the segment after the current one (or the first that may hold the next
-        item); False if there is none yet."""
-        segments = (
-            self._segments
-            if self._segments is not None
-            else self._spool.segments_from(self._after + 1)
+    @staticmethod
+    def _write_meta(db: sqlite3.Connection, values: dict[str, Any]) -> None:
+        db.executemany(
+            "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+            [(key, json.dumps(value)) for key, value in values.items()],
         )
-        if self._file is None:
-            if not segments:
-                return False
-            self._file, self._offset = segments[0][1], 0
-            return True
-        later = [file for first, file in segments if file > self._file]
-        if not later:
-            return False
-        self._file, self._offset = later[0], 0
-        return True
+
+    def _release_lock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the lock
+            self._lock_file = None
+
+
+def _initialise(file: Path, sinks: dict[str, dict[str, Any]]) -> None:
+    db = sqlite3.connect(str(file), isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+        Spool._write_meta(db, {"version": FORMAT_VERSION, "sinks": sinks})
+    finally:
+        db.close()
+
+
+def _refuse_old_format(path: Path) -> None:
+    if (path / _OLD_META).exists() and not (path / DB_FILE).exists():
+        raise SpoolError(
+            f"{path} is a spool of format 1 (pickled frames, gradtrack 0.1); this gradtrack "
+            f"reads format {FORMAT_VERSION} and never unpickles: deliver it with gradtrack "
+            "0.1's `gradtrack sync`, or delete it"
+        )
 
 
 def _hold_lock(path: Path) -> io.TextIOWrapper | None:
@@ -303,19 +355,3 @@ def _hold_lock(path: Path) -> io.TextIOWrapper | None:
         handle.close()
         raise SpoolError(f"{path} is in use by another process (a run still delivering)") from None
     return handle
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Only the classes a spool holds: a spool file never runs arbitrary code."""
-
-    _ALLOWED_MODULES = ("gradtrack.", "numpy", "pydantic", "collections", "copyreg", "datetime")
-    _ALLOWED_BUILTINS = frozenset({"set", "frozenset", "tuple", "list", "dict", "complex"})
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in self._ALLOWED_BUILTINS:
-            return super().find_class(module, name)
-        if (module.startswith(self._ALLOWED_MODULES) and not name.startswith("_")) or (
-            module.startswith("numpy") and name in ("_reconstruct", "_frombuffer")
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"a gradtrack spool cannot hold {module}.{name}")

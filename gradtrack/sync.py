@@ -3,24 +3,26 @@
 A run leaves items behind when its tracker was away at close or the process died (killed,
 out of memory, no `close()` within ``flush_timeout_s``). Sync reads the spool's record of
 each sink's run, resumes from that sink's cursor, and deletes the spool once every sink has
-confirmed everything. Items a tracker had already taken just before a crash (after its
-cursor was last saved) are sent again; MLflow keeps one copy of an identical metric, and
-gradtrack's readers drop repeated alert lines.
+confirmed everything. Items a tracker had already taken just before a crash (the batch in
+flight when the process died) are sent again; MLflow keeps one copy of an identical metric,
+and gradtrack's readers drop repeated alert lines. Histograms a crashed run had not yet
+written into a file are rebuilt from the spool's records (their cursor is their own).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradtrack.courier import SpooledCourier, TrackerSink
+from gradtrack.courier import SpooledCourier
 from gradtrack.errors import GradtrackError
+from gradtrack.progress import wait_while_progressing
 from gradtrack.redact import redact
-from gradtrack.spool import Spool, SpoolError
+from gradtrack.sinks.base import TrackerSink
+from gradtrack.spool import Spool, SpoolError, is_spool
 
 # How a run that never said how it ended (its process died) is marked: MLflow's status for
 # a run that was stopped from outside.
@@ -37,12 +39,12 @@ class SyncResult:
 
 def spools_under(path: Path) -> Iterator[Path]:
     """``path`` itself if it is a spool, else the spools inside it (oldest first)."""
-    if (path / "spool.json").exists():
+    if is_spool(path):
         yield path
         return
     if not path.is_dir():
         raise GradtrackError(f"{path} is neither a gradtrack spool nor a folder of spools")
-    yield from sorted(p for p in path.iterdir() if (p / "spool.json").exists())
+    yield from sorted(p for p in path.iterdir() if is_spool(p))
 
 
 def resume_sink(target: dict[str, Any], outcome: str, timeout_s: float) -> TrackerSink:
@@ -56,10 +58,11 @@ def resume_sink(target: dict[str, Any], outcome: str, timeout_s: float) -> Track
 
 
 def sync(path: Path, timeout_s: float = 300.0, say: Callable[[str], None] = print) -> SyncResult:
-    """Deliver every item of the spool at ``path`` its sinks have not confirmed."""
+    """Deliver every item of the spool at ``path`` its sinks have not confirmed, for as long
+    as delivery makes progress (``timeout_s``: how long it may make none)."""
     try:
-        meta = Spool.meta_of(path)
         spool = Spool(path, max_bytes=1 << 62)
+        meta = spool.meta()
     except SpoolError as exc:
         raise GradtrackError(str(exc)) from None
     outcome = meta.get("outcome") or UNKNOWN_OUTCOME
@@ -67,21 +70,19 @@ def sync(path: Path, timeout_s: float = 300.0, say: Callable[[str], None] = prin
     runs: dict[str, str] = {}
     try:
         for sink_id, target in meta["sinks"].items():
-            before = spool.cursor(sink_id)
-            if before >= spool.last_seq:
+            if _behind(spool, sink_id) == 0:
                 continue
             sink = resume_sink(target, outcome, timeout_s)
             errors: list[str] = []
             courier = SpooledCourier(sink, spool, sink_id, errors.append, start=False)
+            before = courier.left
             courier.announce(spool.last_seq)
-            finished = [courier.post_after("flush"), courier.post_after("close")]
-            thread = threading.Thread(target=courier.run_here, daemon=True)
-            thread.start()
-            deadline = time.monotonic() + timeout_s
-            for event in finished:
-                event.wait(max(0.0, deadline - time.monotonic()))
-            delivered[sink_id] = spool.cursor(sink_id) - before
-            runs[sink_id] = _describe(Spool.meta_of(path)["sinks"][sink_id])
+            courier.post_after("flush")
+            closed = courier.post_after("close", timeout_s)
+            threading.Thread(target=courier.run_here, daemon=True).start()
+            _wait(courier, closed, timeout_s, f"delivering {sink_id}")
+            delivered[sink_id] = before - courier.left
+            runs[sink_id] = _describe(spool.meta()["sinks"][sink_id])
             for message in errors:
                 say(redact(message))
             say(f"{sink_id}: {delivered[sink_id]} item(s) delivered to {runs[sink_id]}")
@@ -91,6 +92,18 @@ def sync(path: Path, timeout_s: float = 300.0, say: Callable[[str], None] = prin
     if left == 0:
         spool.remove()
     return SyncResult(path, delivered, left, runs)
+
+
+def _wait(courier: SpooledCourier, closed: threading.Event, timeout_s: float, what: str) -> None:
+    wait_while_progressing(
+        closed, lambda: courier.left, timeout_s, what, busy=lambda: courier.starting
+    )
+
+
+def _behind(spool: Spool, sink_id: str) -> int:
+    """Items some cursor of the sink (its items, its histograms) has not passed."""
+    own = [seq for name, seq in spool.cursors().items() if name.split("/")[0] == sink_id]
+    return spool.last_seq - min(own, default=0)
 
 
 def _describe(target: dict[str, Any]) -> str:

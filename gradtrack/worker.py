@@ -17,14 +17,15 @@ from gradtrack.actions import AlertActions
 from gradtrack.alerts import AlertEvent
 from gradtrack.assemble import Assembler, PendingStep
 from gradtrack.config import GradtrackConfig
-from gradtrack.courier import Courier, SpooledCourier, TrackerSink, yield_cpu_to_training
+from gradtrack.courier import Courier, SpooledCourier, yield_cpu_to_training
 from gradtrack.drops import DropCount
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import report
 from gradtrack.mailbox import Control, Mailbox, QueuedStep
+from gradtrack.progress import wait_while_progressing
 from gradtrack.record import StepRecord
-from gradtrack.sinks.base import GradientSink
-from gradtrack.spool import Spool, default_root
+from gradtrack.sinks.base import GradientSink, TrackerSink
+from gradtrack.spool import Spool, SpoolError, default_root
 
 
 class Worker:
@@ -45,11 +46,12 @@ class Worker:
         for i, sink in enumerate(sinks):
             if self.spool is not None and isinstance(sink, TrackerSink):
                 courier: Courier | SpooledCourier = SpooledCourier(
-                    sink, self.spool, sink_id(i, sink), report, config.delivery.max_batch_steps
+                    sink, self.spool, sink_id(i, sink), report
                 )
             else:
                 courier = Courier(sink, config.delivery.sink_buffer_steps, drops, report)
             self.couriers.append(courier)
+        self._patience_s = config.flush_timeout_s
         self._sync_told = False  # the sync command was named already
         self.record_errors = 0
         self.assembler = assembler
@@ -71,19 +73,37 @@ class Worker:
     def request(
         self, kind: Literal["flush", "stop"], timeout_s: float, outcome: Outcome = "FINISHED"
     ) -> bool:
-        """Ask the worker to flush (or flush and close) the sinks; False if it took too long.
-        ``outcome``: how training ended, for sinks that record it (an ``outcome`` attribute:
-        MLflow marks a run it started FINISHED, FAILED or KILLED)."""
+        """Ask the worker to flush (or flush and close) the sinks; False if delivery made no
+        progress for ``timeout_s`` (an outage), or was interrupted (Ctrl-C: the spool keeps
+        what is left, and says so). While steps flow there is no cut: a progress line is
+        logged every few seconds. ``outcome``: how training ended, for tracker sinks (MLflow
+        marks a run it started FINISHED, FAILED or KILLED)."""
         if not self._thread.is_alive():
             return True
         control = Control(kind, outcome)
         self._mailbox.put_control(control)
-        done = control.done.wait(timeout_s)
+        what = "delivering to " + ", ".join(type(sink).__name__ for sink in self.sinks)
+        try:
+            done = wait_while_progressing(
+                control.done, self.left, timeout_s, what, busy=self._starting
+            )
+        except KeyboardInterrupt:
+            if self.spool is not None and self.spool.path is not None:
+                report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
+            raise
         if done and kind == "stop":
             # Let the thread end (and free its tensors) before the caller goes on: at
             # interpreter exit a worker still tearing down can abort the process.
             self._thread.join(timeout_s)
         return done
+
+    def left(self) -> int:
+        """Steps and alerts not yet delivered: waiting for the worker, or in the spool."""
+        spooled = [c.left for c in self.couriers if isinstance(c, SpooledCourier)]
+        return len(self._mailbox) + max(spooled, default=0)
+
+    def _starting(self) -> bool:
+        return any(c.starting and c.left for c in self.couriers if isinstance(c, SpooledCourier))
 
     def _run(self) -> None:
         try:
@@ -114,16 +134,20 @@ class Worker:
         a sink stuck on its tracker never holds up the worker."""
         if control.kind == "stop":
             for sink in self.sinks:
-                if hasattr(sink, "outcome"):
+                if isinstance(sink, TrackerSink):
                     sink.outcome = control.outcome
             if self.spool is not None:
                 self.spool.note_outcome(control.outcome)
-        calls = ("flush", "close") if control.kind == "stop" else ("flush",)
-        finished = [
-            courier.post_after(call) if isinstance(courier, SpooledCourier) else courier.post(call)
-            for courier in self.couriers
-            for call in calls
-        ]
+        finished = []
+        for courier in self.couriers:
+            if isinstance(courier, SpooledCourier):
+                finished.append(courier.post_after("flush"))
+                if control.kind == "stop":
+                    finished.append(courier.post_after("close", self._patience_s))
+            else:
+                finished.append(courier.post("flush"))
+                if control.kind == "stop":
+                    finished.append(courier.post("close"))
 
         def wait() -> None:
             for event in finished:
@@ -165,13 +189,20 @@ class Worker:
                 courier.alert(event)
 
     def _append(self, spool: Spool, records: list[StepRecord], events: list[AlertEvent]) -> None:
-        for item in [*records, *events]:
-            if spool.append(item) is None and isinstance(item, StepRecord):
-                self.drops.add(
-                    1,
-                    f"the spool at {spool.path} holds {spool.max_bytes >> 20} MiB not yet "
-                    "delivered, its bound (spool.mib)",
-                )
+        items: list[StepRecord | AlertEvent] = [*records, *events]
+        try:
+            seqs = spool.append(items)
+        except Exception as exc:  # a full disk: counted as lost, told once, never raised
+            seqs = [None] * len(items)
+            reason = f"the spool at {spool.path or 'memory'} cannot be written ({exc!r})"
+        else:
+            reason = (
+                f"the spool at {spool.path or 'memory'} holds {spool.max_bytes >> 20} MiB not "
+                "yet delivered, its bound (spool.mib)"
+            )
+        lost = sum(seq is None for seq, item in zip(seqs, items) if isinstance(item, StepRecord))
+        if lost:
+            self.drops.add(lost, reason)
 
     def _release_spool(self, spool: Spool) -> None:
         """Delete the spool once every sink confirmed it; else keep it and say how to sync."""
@@ -188,8 +219,8 @@ class Worker:
 
     def sync_hint(self) -> str:
         """Where undelivered items wait, and the command that delivers them."""
-        if self.spool is None:
-            return "steps still queued may be lost"
+        if self.spool is None or self.spool.path is None:
+            return "steps still queued are lost with this process (the spool is off)"
         self._sync_told = True
         path = self.spool.path
         return f"they are kept in {path}; deliver them with: gradtrack sync {path}"
@@ -201,21 +232,23 @@ def sink_id(index: int, sink: GradientSink) -> str:
 
 
 def open_spool(sinks: Sequence[GradientSink], config: GradtrackConfig) -> Spool | None:
-    """The run's spool, if ``config.spool.enabled`` and a sink delivers to a tracker; None (steps
-    then wait in memory) if it cannot be created, which is reported."""
+    """The run's spool, if a sink delivers to a tracker: on disk if ``config.spool.enabled``
+    and it can be created there (else that is reported), in memory otherwise."""
     targets = {
         sink_id(i, sink): sink.spool_target()
         for i, sink in enumerate(sinks)
         if isinstance(sink, TrackerSink)
     }
-    if not config.spool.enabled or not targets:
+    if not targets:
         return None
-    root = config.spool.dir or default_root()
-    try:
-        return Spool.create(root, config.model_name or "run", targets, config.spool.mib << 20)
-    except OSError as exc:
-        report(
-            f"gradtrack could not create its spool under {root} ({exc!r}); steps wait in "
-            "memory instead (set spool.dir or GRADTRACK_SPOOL_DIR to a writable folder)"
-        )
-        return None
+    limit = config.spool.mib << 20
+    if config.spool.enabled:
+        root = config.spool.dir or default_root()
+        try:
+            return Spool.create(root, config.model_name or "run", targets, limit)
+        except (OSError, SpoolError) as exc:
+            report(
+                f"gradtrack could not create its spool under {root} ({exc!r}); steps wait "
+                "in memory instead (set spool.dir or GRADTRACK_SPOOL_DIR to a writable folder)"
+            )
+    return Spool.in_memory(targets, limit)

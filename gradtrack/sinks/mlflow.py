@@ -1,13 +1,15 @@
-"""MLflow sink: batched metrics, histogram files, alert tags — and nothing lost to a bad server.
+"""MLflow sink: batched metrics, histogram files, alert tags — each batch stored before
+`send` returns.
 
-Steps wait in a bounded buffer and go out as `log-batch` requests of several steps, at most
-every ``send_every_s`` unless a request is full; when the server is unreachable they stay
-there, retried with backoff, and arrive in order once it is back. mlflow is imported only in
-the worker thread, at the first write.
+It is a `TrackerSink`: its courier hands it batches from the run's spool and retries one that
+failed; the sink itself keeps no backlog. A batch becomes `log-batch` requests (as many steps
+per request as MLflow's limits allow) and the files it names (layer list, alerts); a batch
+sent again after a failure resumes at the request that failed. Histograms go per
+``hist_chunk_steps`` histogram steps (or ``hist_chunk_s``) as one chunk file, on a cursor of
+their own. mlflow is imported only on the courier's thread, at the first send.
 
-Its collaborators: `mlflow_run` (which run, its start and end), `mlflow_outbox` (what is
-owed), `mlflow_sender` (sending and backoff), `mlflow_histograms` (chunk files); the names
-it writes are in `gradtrack.formats.mlflow`.
+Its collaborators: `mlflow_run` (which run, its start and end), `mlflow_requests` (a batch as
+requests), `mlflow_tracking` (the calls); the names it writes are in `gradtrack.formats.mlflow`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.extras import require_module
+from gradtrack.formats.histogram_store import write_chunk
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.formats.mlflow import (
@@ -38,36 +41,45 @@ from gradtrack.formats.mlflow import (
 from gradtrack.log import warn
 from gradtrack.record import StepRecord
 from gradtrack.redact import redact
-from gradtrack.sinks.mlflow_histograms import HistogramChunks
-from gradtrack.sinks.mlflow_outbox import Outbox
+from gradtrack.sinks.base import TrackerSink
+from gradtrack.sinks.mlflow_auth import refusal_message
+from gradtrack.sinks.mlflow_requests import LogBatch, Metric, Request, Tag, Upload, pack
 from gradtrack.sinks.mlflow_run import MlflowRun, portable_uri
-from gradtrack.sinks.mlflow_sender import Sender
+from gradtrack.sinks.mlflow_tracking import PermanentError, Refusal
 from gradtrack.sinks.runbook import RunBook
 
 _MAX_TAG_CHARS = 5000
 
 
-class MlflowSink:
+class _Sending:
+    """A batch's requests not yet done (a failed send resumes here)."""
+
+    def __init__(self, batch: Sequence[Any], requests: list[Request]) -> None:
+        self.batch, self.requests = batch, requests
+
+
+class MlflowSink(TrackerSink):
     """Logs every step to an MLflow run (the active one, or one it starts and ends)."""
 
     def __init__(self, config: GradtrackConfig | None = None, run_id: str | None = None) -> None:
         require_module("mlflow", "mlflow")
         self.config = config or GradtrackConfig()
         self.options = self.config.mlflow
+        self.gather_s = self.options.send_every_s
+        self.histogram_steps = self.options.hist_chunk_steps
+        self.histogram_wait_s = self.options.hist_chunk_s
+        self.retry_max_s = self.options.retry_max_s
         self._run = MlflowRun(self.options, run_id)
-        # How the run ends, when gradtrack started it: FINISHED, or FAILED / KILLED when
-        # training raised or was interrupted (set by the watcher before close()).
         self.outcome = "FINISHED"
-        self._outbox = Outbox(self.options.max_buffered_steps)
-        self._sender = Sender(self.options, self._run, self._outbox)
-        self._histograms = HistogramChunks(self.options.hist_chunk_steps)
+        self.rejected = 0  # requests MLflow refused for what they held (dropped, warned)
         self._book = RunBook()
-        self._handed = 0  # items (records and alerts) handed to this sink so far
         self._staging = Path(tempfile.mkdtemp(prefix="gradtrack-mlflow-"))
         self._model = self.config.model_name
         self._alerts_path = self._staging / ALERTS_FILE
         self._alert_count = 0
         self._reported_dropped = 0
+        self._sending: _Sending | None = None
+        self._sending_histograms: _Sending | None = None
         # The report package draws; imported here, not at the top: it sits above the sinks.
         from gradtrack.report.live import Pictures
 
@@ -92,16 +104,6 @@ class MlflowSink:
         """The run is also MLflow's active run in the thread that made this sink."""
         return self._run.shares_run
 
-    @property
-    def dropped(self) -> int:
-        """Steps dropped: from a full buffer, or refused by MLflow."""
-        return self._outbox.dropped
-
-    @property
-    def failures(self) -> int:
-        """Requests that failed and were kept to retry."""
-        return self._sender.failures
-
     def report_command(self) -> str | None:
         """The command that draws this run's gradient-flow report (the watcher logs it)."""
         if self.run_id is None:
@@ -112,44 +114,6 @@ class MlflowSink:
         """Called by the watcher's close in the thread that made the sink (see
         `MlflowRun.end_shared`)."""
         self._run.end_shared(self.outcome)
-
-    # -- GradientSink ----------------------------------------------------------------------
-    def write(self, batch: Sequence[StepRecord]) -> None:
-        for record in batch:
-            self._handed += 1
-            self._buffer(record)
-        if self._pictures.add(batch):
-            self._draw_pictures()
-        if self._sender.due():
-            self._sender.pump(until=None)
-
-    def alert(self, event: AlertEvent) -> None:
-        self._handed += 1
-        item = self._handed
-        self._pictures.alert(event)
-        self._alert_count += 1
-        with self._alerts_path.open("a") as alerts:
-            alerts.write(event.model_dump_json() + "\n")
-        model = self._model
-        tags = [
-            (tag_key("alert.count", model), str(self._alert_count)),
-            (tag_key("alert.last", model), f"step {event.step}: {event.message}"[:_MAX_TAG_CHARS]),
-        ]
-        first = self._book.first_nonfinite(event)
-        tags += [(tag_key(name, model), str(value)) for name, value in first.items()]
-        self._outbox.add_tags(tags, item)
-        self._outbox.add_upload(self._alerts_path, artifact_path(ALERTS_DIR, model), item)
-        self._sender.alert_waiting = True
-        if self._sender.due():
-            self._sender.pump(until=None)
-
-    def delivered(self) -> int:
-        """How many of the items handed to this sink MLflow has — metrics, tags and the
-        files holding their histograms and alerts —, every one up to that count."""
-        waiting = self._outbox.waiting_items()
-        if self._histograms.item is not None:
-            waiting.append(self._histograms.item)
-        return min(waiting) - 1 if waiting else self._handed
 
     def spool_target(self) -> dict[str, Any]:
         """How `gradtrack sync` reaches this run again; never a credential (MLflow's client
@@ -184,77 +148,135 @@ class MlflowSink:
         sink._alerts_path = sink._staging / f"alerts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
         return sink
 
-    def retry(self) -> None:
-        """Send what is due (respecting the backoff of an outage): the courier's nudge while
-        the tracker owes it confirmations."""
-        if self._sender.due() or (self._outbox.uploads and not self._outbox.steps):
-            self._sender.pump(until=None)
+    # -- TrackerSink -----------------------------------------------------------------------
+    def send(self, batch: Sequence[StepRecord | AlertEvent]) -> None:
+        """Store the batch's metrics, tags and files in the run; raise if MLflow could not
+        take a request (sending the same batch again resumes there)."""
+        if self._sending is None or self._sending.batch is not batch:
+            self._sending = _Sending(batch, self._requests(batch))
+        self._perform(self._sending)
+        self._sending = None
 
-    def flush(self) -> None:
-        """Send everything now; during an outage, try once and leave the rest buffered."""
-        self._write_histogram_chunk()
-        self._sender.retry_now()
-        self._sender.pump(until=None)
+    def send_histograms(self, records: Sequence[StepRecord]) -> None:
+        """One chunk file with these records' histograms, uploaded."""
+        sending = self._sending_histograms
+        if sending is None or sending.batch is not records:
+            entries = [
+                (record.step, layer, histogram)
+                for record in records
+                for layer, histogram in record.histograms.items()
+            ]
+            requests: list[Request] = []
+            if entries:
+                path = write_chunk(self._staging, entries)
+                requests.append(Upload(path, artifact_path(HISTOGRAM_DIR, self._model)))
+            self._sending_histograms = sending = _Sending(records, requests)
+        self._perform(sending)
+        self._sending_histograms = None
 
-    def close(self) -> None:
-        self._write_histogram_chunk()
-        # Retry within the watcher's own close timeout, with room left to end the run.
-        # A refusal is not fixed by waiting: the spool keeps the steps.
-        wait_s = 0.0 if self._sender.refused else 0.8 * self.config.flush_timeout_s
-        deadline = time.monotonic() + wait_s
-        self._sender.pump(until=deadline)
-        # Pictures only once the data is out: they must never delay or displace it.
-        if not self._outbox.steps and self._pictures.due_at_close():
-            self._draw_pictures()
-            self._sender.pump(until=deadline)
-        if not self._outbox.steps:
-            self._run.end(self.outcome)
-        if self._outbox.steps or self._outbox.uploads:
-            warn(
-                redact(
-                    f"gradtrack's MLflow sink closes with {len(self._outbox.steps)} steps and "
-                    f"{len(self._outbox.uploads)} file(s) not delivered ({self.tracking_uri}); "
-                    f"kept files: {self._staging}"
-                )
-            )
-        else:
+    def waiting_helps(self, error: Exception) -> bool:
+        return not isinstance(error, Refusal)
+
+    def failure_message(self, error: Exception) -> str:
+        uri = self._run.tracking_uri
+        if isinstance(error, Refusal):
+            return refusal_message(error, uri, self._run.experiment())
+        return (
+            f"gradtrack cannot reach MLflow at {uri} ({error!r}); steps wait (in the run's "
+            "spool) and are retried with backoff"
+        )
+
+    def end(self, complete: bool) -> None:
+        """With every item delivered: the pictures, then a run gradtrack started is ended
+        with the run's outcome. Otherwise the run is left as it is, for `gradtrack sync`."""
+        try:
+            if complete and self._pictures.due_at_close():
+                self._draw_pictures()
+                if self._sending is not None:
+                    self._perform(self._sending)
+            if complete:
+                self._run.end(self.outcome)
+        except Exception as exc:
+            warn(redact(f"gradtrack could not finish its MLflow run {self.run_id}: {exc!r}"))
+        finally:
             shutil.rmtree(self._staging, ignore_errors=True)
-        self._run.close()
+            self._run.close()
 
-    # -- buffering -------------------------------------------------------------------------
-    def _buffer(self, record: StepRecord) -> None:
+    # -- requests --------------------------------------------------------------------------
+    def _perform(self, sending: _Sending) -> None:
+        tracking = self._run.connection()
+        run_id = self._run.started()
+        while sending.requests:
+            request = sending.requests[0]
+            try:
+                if isinstance(request, LogBatch):
+                    tracking.log_batch(run_id, request.metrics, list(request.tags.items()))
+                else:
+                    if self._run.artifact_uri is None:
+                        self._run.artifact_uri = tracking.artifact_uri(run_id)
+                    tracking.log_artifact(
+                        run_id, self._run.artifact_uri, request.path, request.artifact_dir
+                    )
+            except PermanentError as exc:
+                self.rejected += 1
+                warn(redact(f"MLflow refused a request of gradtrack's, dropped: {exc}"))
+            sending.requests.pop(0)
+
+    def _requests(self, batch: Sequence[StepRecord | AlertEvent]) -> list[Request]:
+        steps: list[tuple[list[Metric], list[Tag]]] = []
+        uploads: list[Upload] = []
+        records = [item for item in batch if isinstance(item, StepRecord)]
+        for item in batch:
+            if isinstance(item, StepRecord):
+                steps.append(self._step(item, uploads))
+            else:
+                steps.append(([], self._alert(item, uploads)))
+        if self._pictures.add(records):
+            self._draw_pictures(uploads)
+        unique = list(dict.fromkeys(uploads))  # a file changed twice goes once
+        return [*pack(steps), *unique]
+
+    def _step(self, record: StepRecord, uploads: list[Upload]) -> tuple[list[Metric], list[Tag]]:
+        model = self._model
         if self._book.add_layers(record.layers):
             path = self._staging / Path(LAYERS_FILE).name
             path.write_text(json.dumps(self._book.layers))
-            self._outbox.add_upload(
-                path, Path(artifact_path(LAYERS_FILE, self._model)).parent.as_posix(), None
-            )
-        timestamp = int(record.wall_time * 1000)
-        model = self._model
-        tags = [
-            (tag_key(name, model), value) for name, value in self._book.extremes(record).items()
-        ]
-        self._outbox.make_room()
+            folder = Path(artifact_path(LAYERS_FILE, model)).parent.as_posix()
+            uploads.append(Upload(path, folder))
+        extremes = self._book.extremes(record)
+        tags = [(tag_key(name, model), value) for name, value in extremes.items()]
         values = scalar_metrics(record)
         dropped_key = metric_key("gradtrack", "dropped", model)
-        values.pop(dropped_key, None)  # one count: those lost upstream and in this buffer
-        dropped = record.dropped_steps + self.dropped
-        if dropped != self._reported_dropped:
-            self._reported_dropped = dropped
-            values[dropped_key] = float(dropped)
-        metrics = [(key, value, timestamp, record.step) for key, value in values.items()]
-        self._outbox.add_step(metrics, tags, self._handed)
-        if self._histograms.add(record, self._handed):
-            self._write_histogram_chunk()
+        values.pop(dropped_key, None)  # written when the count changes
+        if record.dropped_steps != self._reported_dropped:
+            self._reported_dropped = record.dropped_steps
+            values[dropped_key] = float(record.dropped_steps)
+        timestamp = int(record.wall_time * 1000)
+        return [(key, value, timestamp, record.step) for key, value in values.items()], tags
 
-    def _write_histogram_chunk(self) -> None:
-        written = self._histograms.write(self._staging)
-        if written is not None:
-            path, item = written
-            self._outbox.add_upload(path, artifact_path(HISTOGRAM_DIR, self._model), item)
+    def _alert(self, event: AlertEvent, uploads: list[Upload]) -> list[Tag]:
+        self._pictures.alert(event)
+        self._alert_count += 1
+        with self._alerts_path.open("a") as alerts:
+            alerts.write(event.model_dump_json() + "\n")
+        model = self._model
+        tags = [
+            (tag_key("alert.count", model), str(self._alert_count)),
+            (tag_key("alert.last", model), f"step {event.step}: {event.message}"[:_MAX_TAG_CHARS]),
+        ]
+        first = self._book.first_nonfinite(event)
+        tags += [(tag_key(name, model), str(value)) for name, value in first.items()]
+        uploads.append(Upload(self._alerts_path, artifact_path(ALERTS_DIR, model)))
+        return tags
 
-    def _draw_pictures(self) -> None:
+    def _draw_pictures(self, uploads: list[Upload] | None = None) -> None:
         name = self.options.run_name or self.run_id or "gradtrack run"
         source = f"MLflow run {self.run_id} ({self.tracking_uri})"
-        for path in self._pictures.draw(self._staging / "pictures", name, source):
-            self._outbox.add_upload(path, artifact_path(PICTURES_DIR, self._model), None)
+        drawn = [
+            Upload(path, artifact_path(PICTURES_DIR, self._model))
+            for path in self._pictures.draw(self._staging / "pictures", name, source)
+        ]
+        if uploads is not None:
+            uploads.extend(drawn)
+        else:
+            self._sending = _Sending((), list(drawn))
