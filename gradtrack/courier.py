@@ -180,6 +180,7 @@ class SpooledCourier(_Thread):
         self.failures = 0  # sends that failed and were retried
         self.stalled = False  # the tracker refuses, and waiting does not help
         self._progress_at = -float("inf")  # the last send that went
+        self.broken: str | None = None  # why delivery stopped for good (an unreadable spool)
         self.starting = True  # the first send (an SDK's import, a run's creation) is under way
         self._closing_since: float | None = None
         self._target = self._safe_target()
@@ -206,6 +207,18 @@ class SpooledCourier(_Thread):
 
     def _run(self) -> None:
         yield_cpu_to_training()
+        try:
+            self._serve()
+        except Exception as exc:  # an unreadable spool: told, and no one is left waiting
+            self.broken = str(exc)
+            self._on_error(f"gradtrack stopped delivering to {type(self.sink).__name__}: {exc}")
+            with self._changed:
+                calls, self._calls = list(self._calls), deque()
+            for _, _, done in calls:
+                if done is not None:
+                    done.set()
+
+    def _serve(self) -> None:
         while True:
             with self._changed:
                 call = self._calls[0] if self._calls else None

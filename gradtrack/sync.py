@@ -81,6 +81,8 @@ def sync(path: Path, timeout_s: float = 300.0, say: Callable[[str], None] = prin
             closed = courier.post_after("close", timeout_s)
             threading.Thread(target=courier.run_here, daemon=True).start()
             _wait(courier, closed, timeout_s, f"delivering {sink_id}")
+            if courier.broken is not None:
+                raise GradtrackError(courier.broken)
             delivered[sink_id] = before - courier.left
             runs[sink_id] = _describe(spool.meta()["sinks"][sink_id])
             for message in errors:

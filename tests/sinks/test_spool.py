@@ -3,10 +3,16 @@ server and a close that times out, and `gradtrack sync` delivers it later, each 
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import shutil
+import sqlite3
+import struct
 import subprocess
 import sys
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -39,47 +45,125 @@ def event(step: int) -> AlertEvent:
     )  # fmt: skip
 
 
-def test_items_come_back_in_order_across_segments_and_reopening(tmp_path: Path) -> None:
+def test_items_come_back_in_order_across_reopening_and_confirmed_ones_go(tmp_path: Path) -> None:
     spool = Spool.create(tmp_path, "unit", {"sink": {"backend": "test"}}, 1 << 30)
-    spool.segment_bytes = 2_000
-    for step in range(60):
-        spool.append(event(step) if step % 7 == 3 else record(step))
-    reader = spool.reader(0)
-    first = list(reader.items(limit=10))
-    rest = list(reader.items())
-    seqs = [item.seq for item in first + rest]
-    assert seqs == list(range(1, 61))
+    spool.add_cursor("sink")
+    spool.append(event(step) if step % 7 == 3 else record(step) for step in range(60))
+    first = spool.read(0, limit=10)
+    rest = spool.read(first[-1].seq, limit=1000)
+    assert [item.seq for item in first + rest] == list(range(1, 61))
     assert isinstance(first[3].payload, AlertEvent) and first[3].payload.step == 3
-    assert rest[-1].payload.step == 59 and len(list(tmp_path.glob("*/seg-*.log"))) > 3
-    spool.confirm("sink", 40)  # segments wholly before the cursor go
-    assert spool.undelivered() == 20
+    assert isinstance(rest[-2].payload, StepRecord) and rest[-2].payload.step == 58
+    np.testing.assert_array_equal(rest[-2].payload.stats, record(58).stats)
+    assert spool.waiting(0, 60) == (60, 9)  # 9 alerts among them
+    spool.confirm("sink", 40)  # items every cursor passed go
+    assert spool.undelivered() == 20 and spool.waiting(0, 60) == (20, 3)
     spool.close()
     again = Spool(spool.path, 1 << 30)
     assert again.cursor("sink") == 40 and again.last_seq == 60
-    assert [i.seq for i in again.reader(40).items()] == list(range(41, 61))
-    assert again.append(record(60)) == 61  # numbering goes on after a reopening
+    assert [i.seq for i in again.read(40, 100)] == list(range(41, 61))
+    assert again.append([record(60)]) == [61]  # numbering goes on after a reopening
+    again.confirm("sink", 61)
     again.close()
+    emptied = Spool(spool.path, 1 << 30)  # every item delivered: numbering still goes on
+    assert emptied.last_seq == 61 and emptied.append([record(61)]) == [62]
+    emptied.close()
 
 
-def test_a_torn_last_frame_ends_the_log_and_a_foreign_pickle_is_refused(tmp_path: Path) -> None:
+def test_records_keep_every_field_through_the_spool(tmp_path: Path) -> None:
+    """NaN and Inf, histograms, spike arrays, tuples and the optional evidence come back
+    exactly as written."""
+    from gradtrack.histogram import bin_samples
+
+    original = StepRecord(
+        step=7, wall_time=3.5, layers=("conv1", "fc"), total_norm=float("inf"),
+        stats=np.array([[np.nan, 1, 2, 3, 4, 5, 0], [1e-300, 2, 3, 4, 5, 0, 1]]),
+        histograms={"fc": bin_samples(np.linspace(-1, 1, 50), 8, "log")},
+        spike_z=np.array([0.5, -1.0]), spiking=np.array([False, True]),
+        nonfinite_ranks=(1, 3), origin_module="conv1", layer_detail="norms",
+        rank_grad_norms=np.ones((2, 2), dtype=np.float32), dropped_steps=4,
+    )  # fmt: skip
     spool = Spool.create(tmp_path, "unit", {"sink": {}}, 1 << 30)
-    for step in range(3):
-        spool.append(record(step))
+    spool.append([original])
+    (item,) = spool.read(0, 1)
     spool.close()
-    segment = next(spool.path.glob("seg-*.log"))
-    data = segment.read_bytes()
-    segment.write_bytes(data[:-5])  # the process died in the middle of the last append
-    reopened = Spool(spool.path, 1 << 30)
-    assert [i.seq for i in reopened.reader(0).items()] == [1, 2]
+    back = item.payload
+    assert isinstance(back, StepRecord)
+    for name in ("step", "wall_time", "layers", "total_norm", "nonfinite_ranks", "layer_detail",
+                 "origin_module", "dropped_steps", "layer_metrics"):  # fmt: skip
+        assert getattr(back, name) == getattr(original, name), name
+    for name in ("stats", "spike_z", "spiking", "rank_grad_norms"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(original, name))
+        assert getattr(back, name).dtype == getattr(original, name).dtype
+    histogram = back.histograms["fc"]
+    np.testing.assert_array_equal(histogram.counts, original.histograms["fc"].counts)
+    assert (histogram.scale, histogram.zeros) == ("log", original.histograms["fc"].zeros)
 
-    class Payload:
-        def __reduce__(self) -> tuple[object, tuple[str]]:
-            return (print, ("this must never run",))
 
-    reopened.append(Payload())
-    with pytest.raises(pickle.UnpicklingError, match=r"cannot hold builtins\.print"):
-        list(reopened.reader(2).items())
-    reopened.close()
+class _RunsCode:
+    """A pickle payload that would create a file when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_spool_carrying_a_pickle_payload_is_a_clear_error_and_runs_nothing(
+    tmp_path: Path,
+) -> None:
+    """A crafted item in a real spool (one a run left behind), read by `gradtrack sync`."""
+    marker = tmp_path / "code-ran"
+    spool = Spool.create(tmp_path / "spools", "unit", {"0-MlflowSink": _target(tmp_path)}, 1 << 30)
+    spool.add_cursor("0-MlflowSink")
+    spool.append([record(0)])
+    path = spool.path
+    spool.close()
+    db = sqlite3.connect(path / "spool.db")
+    db.execute(
+        "INSERT INTO items VALUES (2, 'record', 0, ?)", (pickle.dumps(_RunsCode(marker)),)
+    )
+    db.commit()
+    db.close()
+    result = sync_cli(path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "item 2 of the spool" in result.stderr and "not an item gradtrack wrote" in result.stderr
+    assert not marker.exists()
+    assert path.exists()  # kept: nothing is deleted on a bad read
+
+
+def test_a_spool_of_the_old_pickle_format_names_its_version_and_runs_nothing(
+    tmp_path: Path,
+) -> None:
+    """gradtrack 0.1's spools were pickled frames; this version never unpickles them."""
+    marker = tmp_path / "code-ran"
+    old = tmp_path / "20261130-120000-run-1-0"
+    old.mkdir()
+    (old / "spool.json").write_text(json.dumps({"version": 1, "sinks": {"0-MlflowSink": {}}}))
+    payload = pickle.dumps(_RunsCode(marker))
+    frame = struct.pack("<QII", 1, len(payload), zlib.crc32(payload)) + payload
+    (old / "seg-00000000000000000001.log").write_bytes(frame)
+    result = sync_cli(tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "format 1" in result.stderr and "never unpickles" in result.stderr
+    assert not marker.exists()
+
+
+def test_a_corrupted_spool_file_is_a_clear_error(tmp_path: Path) -> None:
+    spool = Spool.create(tmp_path, "unit", {"sink": {}}, 1 << 30)
+    spool.append([record(0)])
+    spool.close()
+    (spool.path / "spool.db").write_bytes(b"garbage" * 1000)
+    for leftover in spool.path.glob("spool.db-*"):
+        leftover.unlink()
+    with pytest.raises(SpoolError, match="not a readable gradtrack spool"):
+        Spool(spool.path, 1 << 30)
+
+
+def _target(tmp_path: Path) -> dict[str, object]:
+    return {"backend": "mlflow", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "run_id": None, "owns_run": True, "options": {}}  # fmt: skip
 
 
 def test_a_spool_in_use_cannot_be_opened_twice(tmp_path: Path) -> None:
@@ -111,8 +195,10 @@ def test_past_its_disk_bound_the_spool_drops_counts_and_warns(
     assert watcher.dropped_steps > 0
     assert sum("spool.mib" in str(w.message) for w in caught) == 1  # warned once
     (kept,) = list(spool_in_tmp.iterdir())
-    size = sum(f.stat().st_size for f in kept.glob("seg-*.log"))
-    assert size <= 1 << 20
+    db = sqlite3.connect(f"file:{kept / 'spool.db'}?mode=ro", uri=True)
+    (size,) = db.execute("SELECT SUM(LENGTH(body)) FROM items").fetchone()
+    db.close()
+    assert 1 << 19 < size <= 1 << 20  # filled to its bound, never past it
     assert any(f"gradtrack sync {kept}" in str(w.message) for w in caught)
 
 
@@ -170,24 +256,35 @@ def test_a_killed_process_leaves_its_steps_and_sync_delivers_them_once(
         server.stop()
 
 
-def test_resent_items_after_a_crash_are_stored_once(tmp_path: Path, spool_in_tmp: Path) -> None:
-    """A tracker may have taken items whose confirmation never reached the disk (the process
-    died in between): sync sends them again, and the run still holds each step and alert once."""
+def test_resent_items_after_a_crash_are_stored_once(tmp_path: Path) -> None:
+    """A tracker may hold a batch whose confirmation never reached the disk (the process died
+    in between): that spool is a copy taken before delivery, pointed at the run the first
+    delivery made. Syncing it sends everything again, and the run still holds each step and
+    alert once."""
     server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path).start()
     try:
-        run_child(server.uri, 300, "kill", spool_in_tmp, "155")
-        (left,) = list(spool_in_tmp.iterdir())
-        logged = sorted([*range(0, 300, 10), 155])  # the NaN step is summarised at its step
-        assert stored_steps(server.uri) == logged  # delivered before the kill
+        target = {**_target(tmp_path), "tracking_uri": server.uri}
+        spool = Spool.create(tmp_path / "spools", "unit", {"0-MlflowSink": target}, 1 << 30)
+        spool.append([*(record(step) for step in range(0, 300, 10)), event(155)])
+        spool.close()
+        copy = tmp_path / "copy"
+        shutil.copytree(spool.path, copy, ignore=shutil.ignore_patterns("spool.lock"))
+        first = sync_cli(spool.path)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "31 item(s) delivered" in first.stdout
         client = mlflow.MlflowClient(server.uri)
         (run,) = client.search_runs([client.get_experiment_by_name("gradtrack").experiment_id])
+        assert stored_steps(server.uri) == list(range(0, 300, 10))
         alerts = [(a.rule, a.step) for a in read_alerts(run.info.run_id, server.uri)]
-        assert ("nonfinite", 155) in alerts
-        for cursor in left.glob("*.cursor"):
-            cursor.write_text("0")  # as if no confirmation had been saved
-        synced = sync_cli(spool_in_tmp)
-        assert synced.returncode == 0, synced.stdout + synced.stderr
-        assert stored_steps(server.uri) == logged  # still each once
+        assert alerts == [("nonfinite", 155)]
+        db = sqlite3.connect(copy / "spool.db")
+        sinks = {"0-MlflowSink": {**target, "run_id": run.info.run_id}}
+        db.execute("UPDATE meta SET value = ? WHERE key = 'sinks'", (json.dumps(sinks),))
+        db.commit()
+        db.close()
+        again = sync_cli(copy)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert stored_steps(server.uri) == list(range(0, 300, 10))  # still each once
         assert [(a.rule, a.step) for a in read_alerts(run.info.run_id, server.uri)] == alerts
         assert client.get_run(run.info.run_id).info.status == "KILLED"  # it died without a word
     finally:
