@@ -261,7 +261,8 @@ class Watcher:
         timeout_s = self.config.flush_timeout_s
         if not self.worker.request("stop", timeout_s, outcome):
             warn(
-                f"gradtrack's sinks did not finish within flush_timeout_s={timeout_s}; "
+                f"gradtrack's delivery made no progress for flush_timeout_s={timeout_s:g} s "
+                "(a tracker is away); "
                 + self.worker.sync_hint()
             )
         self._after_sinks_closed()

@@ -212,10 +212,7 @@ class Worker:
             spool.remove()
         elif not self._sync_told:
             self._sync_told = True
-            report(
-                f"gradtrack could not deliver {left} item(s) (steps and alerts) to every "
-                f"tracker before closing; {self.sync_hint()}"
-            )
+            report(f"gradtrack could not deliver to every tracker before closing; {self.sync_hint()}")
 
     def sync_hint(self) -> str:
         """Where undelivered items wait, and the command that delivers them."""
@@ -223,7 +220,10 @@ class Worker:
             return "steps still queued are lost with this process (the spool is off)"
         self._sync_told = True
         path = self.spool.path
-        return f"they are kept in {path}; deliver them with: gradtrack sync {path}"
+        return (
+            f"{self.left():,} item(s) (steps and alerts) not yet delivered are kept in {path}; "
+            f"deliver them with: gradtrack sync {path}"
+        )
 
 
 def sink_id(index: int, sink: GradientSink) -> str:

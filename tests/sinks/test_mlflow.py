@@ -153,40 +153,43 @@ def test_steps_go_out_every_send_every_s_alerts_within_a_second_and_at_flush(
     tmp_path: Path,
 ) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    config = gradtrack.GradtrackConfig(mlflow={"tracking_uri": uri, "send_every_s": 3600})
-    sink = MlflowSink(config)
-    stats = np.array([[5.0, 4.0, 3.5, 3.54, 2, 0, 0]])
-    records = [StepRecord(step, time.time(), ("fc",), stats, 5.0) for step in range(4)]
+    model = nn.Linear(4, 1)
+    watcher = gradtrack.watch(
+        model, backend="mlflow", log_every=1, histograms=False,
+        delivery={"batch_wait_s": 0.0}, mlflow={"tracking_uri": uri, "send_every_s": 3600},
+    )  # fmt: skip
+    sink = watcher.sinks[0]
 
     def logged() -> list[int]:
+        if sink.run_id is None:
+            return []
         return [s for s, _ in histories(uri, sink.run_id, ["grad/total_norm"])["grad/total_norm"]]
 
-    sink.write(records[:1])  # the first write goes at once: the run appears
-    sink.write(records[1:3])
-    assert logged() == [0]  # the others wait for send_every_s, or a full request
-    events = [
-        AlertEvent(
-            step=2, wall_time=time.time(), rule="vanishing", layer=f"layer{i}", statistic="norm",
-            value=1e-9, threshold=1e-7, severity="warning", message=f"layer{i} vanishes",
-        )
-        for i in range(300)
-    ]  # fmt: skip
-    sink.alert(events[0])  # within a second of the last send: waits, and so does the burst
-    for event in events[1:]:
-        sink.alert(event)
-    assert logged() == [0]
-    time.sleep(1.0)
-    sink.alert(events[-1])  # a second later an alert goes at once, with everything waiting
-    assert logged() == [0, 1, 2]
-    run = mlflow.MlflowClient(uri).get_run(sink.run_id)
-    assert run.data.tags["gradtrack.alert.count"] == "301"
-    assert run.data.tags["gradtrack.alert.last"] == "step 2: layer299 vanishes"
-    assert len(read_alerts(sink.run_id, uri)) == 301
-    sink.write(records[3:])
-    assert logged() == [0, 1, 2]
-    sink.flush()
+    def step(scale: float = 1.0) -> None:
+        (model(torch.randn(2, 4)).sum() * scale).backward()
+        model.zero_grad()
+
+    def wait_for(steps: list[int], within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        while logged() != steps and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert logged() == steps
+
+    step()
+    wait_for([0], 60)  # the first step goes at once (the run appears), after MLflow's start
+    step()
+    step()
+    time.sleep(1.5)
+    assert logged() == [0]  # the others wait for send_every_s, or a full batch
+    step(float("nan"))  # an alert goes within a second, with everything waiting
+    wait_for([0, 1, 2, 3], 5)
+    step()
+    time.sleep(1.5)
     assert logged() == [0, 1, 2, 3]
-    sink.close()
+    watcher.flush()
+    assert logged() == [0, 1, 2, 3, 4]
+    watcher.close()
+    assert [a.step for a in read_alerts(sink.run_id, uri)] == [3]
 
 
 def outage_config(uri: str, **more: Any) -> dict[str, Any]:
@@ -222,7 +225,7 @@ def test_server_down_at_start_then_killed_and_restarted_loses_nothing(tmp_path: 
         steps(10)
         watcher.close()
         sink = watcher.sinks[0]
-        assert sink.failures >= 2 and sink.dropped == 0 and watcher.dropped_steps == 0
+        assert watcher.worker.couriers[0].failures >= 2 and watcher.dropped_steps == 0
         expected = memory.scalars()
         got = histories(server.uri, sink.run_id, list(expected))
         for key, series in expected.items():
@@ -234,31 +237,29 @@ def test_server_down_at_start_then_killed_and_restarted_loses_nothing(tmp_path: 
         server.stop()
 
 
-def test_a_tiny_buffer_drops_the_oldest_and_logs_the_count(tmp_path: Path) -> None:
+def test_the_spool_is_the_only_backlog_an_outage_drops_nothing(tmp_path: Path) -> None:
+    """The sink has no buffer of its own (``max_buffered_steps`` only warns that it is
+    gone): every step of an outage waits in the spool and reaches MLflow once it is back."""
     server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)
     model = nn.Linear(4, 1)
-    watcher = gradtrack.watch(
-        model, backend="mlflow", log_every=1, histograms=False,
-        delivery={"batch_wait_s": 0.0}, mlflow=outage_config(server.uri, max_buffered_steps=3),
-    )  # fmt: skip
+    with pytest.warns(DeprecationWarning, match="max_buffered_steps has no effect"):
+        watcher = gradtrack.watch(
+            model, backend="mlflow", log_every=1, histograms=False,
+            delivery={"batch_wait_s": 0.0}, mlflow=outage_config(server.uri, max_buffered_steps=3),
+        )  # fmt: skip
     try:
-        with pytest.warns(RuntimeWarning) as caught:
+        with pytest.warns(RuntimeWarning, match="cannot reach MLflow"):
             for _ in range(10):
                 model(torch.randn(2, 4)).sum().backward()
-                watcher.flush()
-        messages = [str(w.message) for w in caught]
-        assert any("cannot reach MLflow" in m for m in messages)
-        assert sum("buffer is full" in m for m in messages) == 1  # warned once, then counted
+                watcher.flush(timeout_s=1)
         server.start()
         model(torch.randn(2, 4)).sum().backward()
         watcher.close()
         sink = watcher.sinks[0]
-        assert sink.dropped == 8  # 11 steps, 3 kept at the moment the server came back
         client = mlflow.MlflowClient(server.uri)
         kept = [m.step for m in client.get_metric_history(sink.run_id, "grad/total_norm")]
-        assert kept == [8, 9, 10]
-        dropped = client.get_metric_history(sink.run_id, DROPPED_KEY)
-        assert [(m.step, m.value) for m in dropped][-1] == (10, 8.0)
+        assert kept == list(range(11)) and watcher.dropped_steps == 0
+        assert client.get_metric_history(sink.run_id, DROPPED_KEY) == []
     finally:
         server.stop()
 
@@ -278,7 +279,8 @@ def test_close_waits_at_most_the_flush_timeout_for_an_unreachable_server() -> No
         waited_s = time.monotonic() - start
     messages = [str(w.message) for w in caught]
     assert any("cannot reach MLflow" in m for m in messages)
-    assert any("5 steps and 1 file(s) not delivered" in m for m in messages)  # + layers.json
+    assert any("made no progress for flush_timeout_s=2 s" in m for m in messages)
+    assert any("5 item(s)" in m and "gradtrack sync" in m for m in messages)
     assert watcher.sinks[0].run_id is None
     assert waited_s < 2.0 + 5.0  # the bound is flush_timeout_s; the rest is slack for a busy box
 
