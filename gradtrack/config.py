@@ -319,7 +319,8 @@ class GradtrackConfig(BaseModel):
         gt=0,
         le=_HOUR_S,
         allow_inf_nan=False,
-        description="How long close() waits for sinks.",
+        description="How long close() waits for the sinks without progress; while steps "
+        "flow to a tracker it waits, with a progress line every 5 s.",
     )
     layer_metrics: tuple[Literal["norm", "max_abs", "mean_abs", "rms"], ...] = Field(
         ("norm", "max_abs", "mean_abs", "rms"),
