@@ -65,7 +65,7 @@ def child(uri: str, steps: int, log_every: int, out: Path) -> None:
     trained = time.monotonic() - start
     watcher.close()
     closed = time.monotonic() - start - trained
-    run_id = watcher.sinks[0].run_id
+    run_id = getattr(watcher.sinks[0], "run_id", None)
     out.write_text(json.dumps({"samples": samples, "trained": trained, "closed": closed,
                                "run_id": run_id, "spool_after": _size_mib(spools)}))  # fmt: skip
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.drops import DropCount
+from gradtrack.log import warn
 from gradtrack.record import StepRecord
 from gradtrack.redact import redact
 from gradtrack.sinks.base import GradientSink, TrackerSink
@@ -181,8 +182,10 @@ class SpooledCourier(_Thread):
         self.stalled = False  # the tracker refuses, and waiting does not help
         self._progress_at = -float("inf")  # the last send that went
         self.broken: str | None = None  # why delivery stopped for good (an unreadable spool)
+        self._opened = False
         self.starting = True  # the first send (an SDK's import, a run's creation) is under way
-        self._closing_since: float | None = None
+        self._waiting_for: _Call | None = None  # the flush or close delivery is waited for
+        self._waiting_since = 0.0
         self._target = self._safe_target()
         if start:
             self._thread.start()
@@ -231,9 +234,11 @@ class SpooledCourier(_Thread):
                 if call[0] == "close":
                     return
                 continue
-            if call is not None and call[0] == "close" and self._given_up(call):
+            if call is not None and self._given_up(call):
                 self._run_call(call, complete=False)
-                return
+                if call[0] == "close":
+                    return
+                continue
             with self._changed:
                 head = self._calls[0] if self._calls else None
                 news = head is not call or (call is None and self._available > through)
@@ -282,6 +287,10 @@ class SpooledCourier(_Thread):
             return True
         payloads = [item.payload for item in items]
         try:
+            if not self._opened:
+                self._tracker.open()
+                self._opened = True
+                self._describe()  # which run, before anything goes to it
             if lane.histograms:
                 self._tracker.send_histograms(payloads)  # type: ignore[arg-type]
             else:
@@ -310,24 +319,26 @@ class SpooledCourier(_Thread):
             message = f"{type(self.sink).__name__} failed: {error!r} (and {exc!r})"
         if not self._outage:
             self._outage = True
-            self._on_error(redact(message))
+            warn(redact(message))
 
     def _recovered(self) -> None:
         self._backoff_s, self._retry_at = 0.0, 0.0
         self._outage = self.stalled = False
 
-    def _given_up(self, close: _Call) -> bool:
-        """At close: the tracker refuses (waiting does not help), or nothing went for the
-        close's ``patience_s`` (an outage; the spool keeps the rest for `gradtrack sync`)."""
-        if self._closing_since is None:
-            self._closing_since = time.monotonic()
-        patience_s = close[1][1] if len(close[1]) > 1 else float("inf")
-        quiet_since = max(self._closing_since, self._progress_at)
+    def _given_up(self, call: _Call) -> bool:
+        """A flush or close stops waiting for delivery when the tracker refuses (waiting does
+        not help), or after the call's ``patience_s`` without a send going through (an
+        outage; the spool keeps the rest for `gradtrack sync`)."""
+        if self._waiting_for is not call:
+            self._waiting_for, self._waiting_since = call, time.monotonic()
+        patience_s = call[1][1] if len(call[1]) > 1 else float("inf")
+        quiet_since = max(self._waiting_since, self._progress_at)
         return self.stalled or time.monotonic() - quiet_since > patience_s
 
     def _run_call(self, call: _Call, complete: bool) -> None:
         with self._changed:
             self._calls.popleft()
+        self._waiting_for = None
         method, _, done = call
         if method == "close":
             self._call("end", complete)

@@ -141,7 +141,7 @@ class Worker:
         finished = []
         for courier in self.couriers:
             if isinstance(courier, SpooledCourier):
-                finished.append(courier.post_after("flush"))
+                finished.append(courier.post_after("flush", self._patience_s))
                 if control.kind == "stop":
                     finished.append(courier.post_after("close", self._patience_s))
             else:
@@ -212,7 +212,8 @@ class Worker:
             spool.remove()
         elif not self._sync_told:
             self._sync_told = True
-            report(f"gradtrack could not deliver to every tracker before closing; {self.sync_hint()}")
+            hint = self.sync_hint()
+            report(f"gradtrack could not deliver to every tracker before closing; {hint}")
 
     def sync_hint(self) -> str:
         """Where undelivered items wait, and the command that delivers them."""

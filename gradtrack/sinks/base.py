@@ -60,6 +60,10 @@ class TrackerSink:
     # marked so (MLflow: FINISHED, FAILED, KILLED).
     outcome: str = "FINISHED"
 
+    def open(self) -> None:
+        """Reach the tracker (its SDK imported, the run created) before the first `send`, so
+        that the spool records which run its items belong to before any goes out."""
+
     def send(self, batch: Sequence[StepRecord | AlertEvent]) -> None:
         """Store records and alerts (oldest first) in the tracker; raise if it could not."""
         raise NotImplementedError

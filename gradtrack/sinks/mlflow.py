@@ -149,6 +149,11 @@ class MlflowSink(TrackerSink):
         return sink
 
     # -- TrackerSink -----------------------------------------------------------------------
+    def open(self) -> None:
+        """Connect (mlflow imported, the store created) and start the run if there is none."""
+        self._run.connection()
+        self._run.started()
+
     def send(self, batch: Sequence[StepRecord | AlertEvent]) -> None:
         """Store the batch's metrics, tags and files in the run; raise if MLflow could not
         take a request (sending the same batch again resumes there)."""

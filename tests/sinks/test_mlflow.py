@@ -14,9 +14,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.alerts import AlertEvent
 from gradtrack.formats.mlflow import DROPPED_KEY, read_alerts, read_histograms
-from gradtrack.record import StepRecord
 from gradtrack.sinks import MemorySink, MlflowSink
 from tests.conftest import NoUpdate, SmallCNN, cnn_batch, watch_without
 from tests.sinks.mlflow_server import MlflowServer, free_port
