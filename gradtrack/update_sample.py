@@ -92,17 +92,16 @@ class SampledUpdateProbe:
         self._scales = [
             torch.tensor(
                 [self._lattices[i].scale for i in group],
-                dtype=torch.float64, device=self._params[group[0]].device,
-            )  # fmt: skip
+                dtype=torch.float64,
+                device=self._params[group[0]].device,
+            )
             for group in self._groups
         ]
 
     @property
     def sample_bytes(self) -> int:
         """Memory the samples hold for the run."""
-        return sum(
-            lat.count * p.element_size() for lat, p in zip(self._lattices, self._params)
-        )
+        return sum(lat.count * p.element_size() for lat, p in zip(self._lattices, self._params))
 
     def _sample_views(self) -> list[list[Tensor]]:
         storages = [p.data_ptr() for p in self._params]
