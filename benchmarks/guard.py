@@ -17,9 +17,12 @@ the machine's noise falls on every variant alike, the median time of:
   from the guard's, the window's z-scores), as default watching runs it at every step;
 - guard+skip: that, read on the host and judged by the skip rules (`gradtrack.skip`), as
   every step runs with ``action="skip"``;
-- update signals: what ``update_signals`` adds to a logged step (`gradtrack.updates`: copy
-  the weights into the reused buffer and take their norms, then the update's norms). Its
-  memory is one copy of the trainable parameters, printed in MiB.
+- update signals: what ``update_signals=True`` adds to a logged step (`gradtrack.updates`:
+  copy the weights into the reused buffer and take their norms, then the update's norms).
+  Its memory is one copy of the trainable parameters, printed in MiB;
+- sampled updates: what the default (``update_signals="sampled"``) adds to a logged step
+  (`gradtrack.update_sample`: the weights' norms, a strided copy of each tensor's sample,
+  then its difference's norms), and the memory its samples keep, in MiB.
 
 Ratios are to the floor. The training step itself is given for scale.
 """
@@ -38,6 +41,7 @@ from benchmarks.models import MODELS
 from gradtrack.sinks import MemorySink
 from gradtrack.skip import SkipPolicy
 from gradtrack.spike import LayerNorms, NormWindow, on_host, spike_fields
+from gradtrack.update_sample import SampledUpdateProbe
 from gradtrack.updates import UpdateProbe
 
 
@@ -91,10 +95,16 @@ def measure(name: str, reps: int) -> dict[str, float]:
         probe.before()
         probe.after()
 
+    sampled = SampledUpdateProbe(collector.params)
+
+    def sampled_updates() -> None:
+        sampled.before()
+        sampled.after()
+
     variants: dict[str, Callable[[], None]] = {
         "floor": floor, "guard": guard, "exact_guard": exact_guard, "logged": logged,
         "per_layer": per_layer, "guard_spike": guard_spike, "guard_skip": guard_skip,
-        "update_signals": update_signals,
+        "update_signals": update_signals, "sampled_updates": sampled_updates,
     }  # fmt: skip
     times: dict[str, list[float]] = {key: [] for key in variants}
     with torch.no_grad():
@@ -107,6 +117,7 @@ def measure(name: str, reps: int) -> dict[str, float]:
     result = {key: statistics.median(values) * 1e3 for key, values in times.items()}
     result["backward"] = step_s * 1e3
     result["snapshot_mib"] = sum(p.numel() * p.element_size() for p in collector.params) / 2**20
+    result["sample_mib"] = sampled.sample_bytes / 2**20
     return result
 
 
@@ -120,11 +131,12 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms (÷ floor)")
     print(
         "model | one backward | floor | guard | exact guard | logged step | per-layer step | "
-        "guard+spike | guard+skip | update signals | their buffer (MiB)"
+        "guard+spike | guard+skip | update signals | their buffer (MiB) | sampled updates | "
+        "their samples (MiB)"
     )
     variants = (
         "guard", "exact_guard", "logged", "per_layer", "guard_spike", "guard_skip",
-        "update_signals",
+        "update_signals", "sampled_updates",
     )  # fmt: skip
     for name in args.models:
         r = measure(name, args.reps)
@@ -133,8 +145,10 @@ def main() -> None:
             name,
             f"{r['backward']:.1f}",
             f"{r['floor']:.3f}",
-            *cells,
+            *cells[:-1],
             f"{r['snapshot_mib']:.1f}",
+            cells[-1],
+            f"{r['sample_mib']:.2f}",
         ]
         print(" | ".join(row), flush=True)
 

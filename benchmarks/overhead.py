@@ -25,7 +25,8 @@ histograms every 100 steps by default: the default 10 rounds of 20 steps hold tw
   on the ``layer_every`` steps, 100 by default), "summaries,all": every statistic of every
   layer at every step (``layer_every=1``), gradtrack defaults with the
   MLflow sink (local sqlite), also with one key per layer (``layer_metrics=["norm"]``),
-  gradtrack defaults with a raise rule (memory sink),
+  gradtrack defaults with a raise rule (memory sink), defaults without the update signals
+  (``update_signals=False``; the defaults sample them) and with the exact ones (``True``),
   gradtrack with ``activations=True`` (every step).
 """
 
@@ -141,7 +142,10 @@ VARIANTS: dict[str, Setup] = {
         alerts={name: {"action": "skip"} for name in ("nonfinite", "spike", "exploding")},
         skip={"journal": os.path.join(tempfile.mkdtemp(), "skipped_steps.json")},
     ),
-    # ‖W‖ and ‖ΔW‖ on logged steps: a copy of the weights before each logged optimizer step.
+    # The defaults measure ‖W‖ and ‖ΔW‖ (from a sample of each tensor) on logged steps: the
+    # same without them, and with the exact ones (a copy of the weights before each logged
+    # optimizer step).
+    "defaults,no update signals": gradtrack_variant(update_signals=False),
     "defaults+update signals": gradtrack_variant(update_signals=True),
     "activations": gradtrack_variant(log_every=1, histograms=False, activations=True),
 }

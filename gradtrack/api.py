@@ -81,10 +81,11 @@ def open_watcher(
             sink.close()
         raise
     if sinks:
+        missing = watcher.stepper.signals.missing
         logger.info(
-            "watching %d layers of %s, every %d steps, into %s",
+            "watching %d layers of %s, every %d steps, into %s%s",
             len(watcher.layer_names), type(unwrap_model(model)).__name__, config.log_every,
-            ", ".join(type(sink).__name__ for sink in sinks),
+            ", ".join(type(sink).__name__ for sink in sinks), f" ({missing})" if missing else "",
         )  # fmt: skip
     return watcher
 

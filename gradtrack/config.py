@@ -347,12 +347,14 @@ class GradtrackConfig(BaseModel):
     activations: bool = Field(
         False, description="Also log gradient norms w.r.t. every leaf module's output."
     )
-    update_signals: bool = Field(
-        False,
-        description="Also measure, on logged steps, each layer's weight norm and the norm of "
-        "the update optimizer.step() applied (needs optimizer=): param_norm/, update_norm/, "
-        "update_ratio/. Costs one copy of the trainable parameters, kept for reuse, and two "
-        "norm passes per logged step; see docs/signals.md.",
+    update_signals: bool | Literal["sampled"] = Field(
+        "sampled",
+        description="Each layer's weight norm and the norm of the update optimizer.step() "
+        "applied, on logged steps (needs optimizer=): param_norm/, update_norm/, "
+        "update_ratio/, and the learning_rate rule. 'sampled' (the default): ||W|| exact, "
+        "||dW|| from a fixed sample of each tensor (gradtrack.update_sample; a few KiB per "
+        "tensor); True: ||dW|| exact from a copy of the trainable parameters, kept for the "
+        "run; False: off. See docs/signals.md.",
     )
     model_name: str | None = Field(
         None,

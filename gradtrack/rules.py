@@ -75,13 +75,31 @@ class SpikeRule(Rule):
 
 
 class UpdateRatioRule(Rule):
-    """With ``update_signals``: a layer's update/weight ratio ‖ΔW‖/‖W‖ above ``high`` (it
-    learns too fast) or below ``low`` but not zero (barely at all), for ``patience`` logged
-    steps in a row. The usual healthy scale is around 1e-3."""
+    """With the update signals: a layer's update/weight ratio ‖ΔW‖/‖W‖ above ``high`` (it
+    learns too fast) or below ``low`` but not zero (barely at all; not a layer whose gradient
+    is exactly zero: that is the ``dead`` rule's), for ``patience`` logged steps in a row. The
+    usual healthy scale is around 1e-3."""
 
     high: PositiveFloat = 0.1
     low: PositiveFloat = 1e-6
     patience: PositiveInt = 3
+
+
+class LearningRateRule(Rule):
+    """The learning rate named as the cause, from the update signals: a logged step whose
+    median layer moved by more than ``oversized`` × its weights' norm (healthy ≈ 1e-3), or
+    layers whose gradient had been flowing and is now exactly zero right after updates above
+    ``elevated`` × their weights (at the last ``lookback`` logged steps) — a collapse."""
+
+    oversized: PositiveFloat = Field(
+        1.0, description="Median layer's update/weight ratio at one logged step."
+    )
+    elevated: PositiveFloat = Field(
+        0.01, description="Update/weight ratio before a collapse that names the learning rate."
+    )
+    lookback: PositiveInt = Field(
+        3, description="Logged steps before a collapse whose update ratios are its evidence."
+    )
 
 
 class DeadRule(Rule):
@@ -126,6 +144,7 @@ RULE_TYPES: dict[str, type[Rule]] = {
     "flow": FlowRule,
     "amp": AmpRule,
     "update_ratio": UpdateRatioRule,
+    "learning_rate": LearningRateRule,
 }
 
 
@@ -148,6 +167,7 @@ class AlertRules(BaseModel):
     flow: FlowRule = FlowRule()
     amp: AmpRule = AmpRule()
     update_ratio: UpdateRatioRule = UpdateRatioRule()
+    learning_rate: LearningRateRule = LearningRateRule()
     layers: dict[str, dict[str, dict[str, Any]]] = Field(
         default_factory=dict, description="{glob: {rule: {field: value}}}, first match wins"
     )

@@ -12,6 +12,7 @@ from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.skip import Journal, SkipPolicy
 from gradtrack.spike import LayerNorms, NormWindow
+from gradtrack.update_sample import SampledUpdateProbe
 from gradtrack.updates import UpdateProbe
 
 
@@ -21,7 +22,9 @@ class Signals:
     skips: SkipPolicy | None = None  # the rules whose action is "skip"
     journal: Journal | None = None  # the skipped steps, on disk
     layer_norms: LayerNorms | None = None  # every step's layer norms (for the two above)
-    updates: UpdateProbe | None = None  # each logged step's update and weight norms
+    updates: UpdateProbe | SampledUpdateProbe | None = None  # each logged step's ‖ΔW‖, ‖W‖
+    # Why the default (sampled) update signals are off, said once when watching starts.
+    missing: str | None = None
 
 
 def build_signals(
@@ -37,14 +40,15 @@ def build_signals(
     rules = config.alerts
     layer_names = collector.index.layer_names
     skip_rules = rules.skip_rules()
-    if (skip_rules or config.update_signals) and not own_steps:
+    exact = config.update_signals is True
+    if (skip_rules or exact) and not own_steps:
         feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
         raise GradtrackError(
             f"{feature} needs optimizer= (without scaler= or steps=): gradtrack must be "
             "at the optimizer's step, before and after it runs. (A GradScaler already "
             "skips non-finite steps by itself.)"
         )
-    if config.update_signals and collector.local_shards:
+    if exact and collector.local_shards:
         raise GradtrackError("update_signals does not support sharded (FSDP2) parameters yet")
     signals = Signals()
     columns: list[str | None] = [None, *layer_names]
@@ -61,6 +65,22 @@ def build_signals(
         signals.journal = Journal(config.skip.journal)
     if signals.spikes is not None or signals.skips is not None:
         signals.layer_norms = LayerNorms(collector.index.tensor_layer, len(layer_names))
-    if config.update_signals:
+    if exact:
         signals.updates = UpdateProbe(collector.params)
+    elif config.update_signals == "sampled":
+        signals.missing = _sampled_missing(own_steps, bool(collector.local_shards))
+        if signals.missing is None:
+            signals.updates = SampledUpdateProbe(collector.params, seed=config.histograms.seed)
     return signals
+
+
+def _sampled_missing(own_steps: bool, sharded: bool) -> str | None:
+    """What the default update signals (and the learning_rate rule's evidence) lack here."""
+    if not own_steps:
+        return (
+            "update ratios and the learning-rate diagnosis are off: they need optimizer= "
+            "(without scaler= or steps=)"
+        )
+    if sharded:
+        return "update ratios are off: sharded (FSDP2) parameters are not supported yet"
+    return None

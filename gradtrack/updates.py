@@ -1,9 +1,11 @@
-"""Optimizer-aware signals: each parameter's norm and the norm of the update the optimizer
-actually applied (weight decay, momentum and Adam's preconditioning included).
+"""Optimizer-aware signals, exactly (``update_signals=True``): each parameter's norm and the
+norm of the update the optimizer actually applied (weight decay, momentum and Adam's
+preconditioning included).
 
 ΔW is measured, not derived from the optimizer's state: on a logged step the parameters are
 copied, before ``optimizer.step()``, into buffers made once and reused (one copy of the
 trainable parameters, for the run), and subtracted from after it. Unlogged steps pay nothing.
+The default estimates ‖ΔW‖ from a sample instead (`gradtrack.update_sample`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class UpdateProbe:
             self._param_norms = []
             for snapshot, ws in zip(self._snapshots, weights):
                 torch._foreach_copy_(snapshot, ws)
-                self._param_norms.append(_norms(ws))
+                self._param_norms.append(weight_norms(ws))
 
     def after(self) -> tuple[Tensor, torch.cuda.Event | None]:
         """The step's rows, in the order of ``params``, and the event its host copy sets."""
@@ -53,7 +55,7 @@ class UpdateProbe:
             updates = []
             for group, snapshot in zip(self._groups, self._snapshots):
                 torch._foreach_sub_(snapshot, [self._params[i].detach() for i in group])
-                updates.append(_norms(snapshot))
+                updates.append(weight_norms(snapshot))
             device = self._param_norms[0].device
             rows = torch.stack(
                 [
@@ -65,7 +67,7 @@ class UpdateProbe:
             return copy_to_host(rows[self._index(self._inverse, device)])
 
 
-def _norms(tensors: list[Tensor]) -> Tensor:
+def weight_norms(tensors: list[Tensor]) -> Tensor:
     """float64 L2 norms (fp32 accumulation for fp16/bf16 weights)."""
     accumulate = accumulation_dtype(tensors[0].dtype)
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=accumulate)).double()

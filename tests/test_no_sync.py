@@ -62,10 +62,13 @@ def test_no_host_sync_in_the_training_thread(
     assert watcher.host_transfers == 4  # one hand-off per logged step (steps 0, 2, 4, 6)
     assert [r.step for r in sink.records] == [0, 2, 4, 6]
     assert [r.nan_count for r in sink.records] == [int(inject_nan)] * 4
+    # The default update signals ran too (sampled), with no read and no per-layer copy.
+    assert all(r.update_norms is not None for r in sink.records)
 
 
 def test_foreach_path_ops_per_logged_step_do_not_grow_with_the_number_of_layers() -> None:
-    """On accelerators every op is a kernel launch: the count must not scale with depth."""
+    """On accelerators every op is a kernel launch: the count must not scale with depth
+    (the default update signals included: their sample views are made at watch time)."""
 
     def ops_per_logged_step(depth: int) -> int:
         model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(depth)])

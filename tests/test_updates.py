@@ -14,6 +14,7 @@ from torch import nn
 import gradtrack
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.sinks import MemorySink
+from gradtrack.update_sample import Lattice, SampledUpdateProbe
 from tests.conftest import SmallCNN, cnn_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,3 +118,119 @@ def test_unlogged_steps_take_no_snapshot() -> None:
 def test_update_signals_need_the_optimizer() -> None:
     with pytest.raises(gradtrack.GradtrackError, match="update_signals needs optimizer="):
         gradtrack.watch(nn.Linear(2, 2), backend="memory", update_signals=True)
+
+
+# -- the default: ‖ΔW‖ from a sample -------------------------------------------------------------
+def real_ratios(optimizer_name: str, update_signals: object) -> tuple[np.ndarray, np.ndarray]:
+    """(measured by gradtrack, measured here from full copies) per logged step and layer."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    optimizer: torch.optim.Optimizer
+    if optimizer_name == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sink = MemorySink()
+    expected: dict[int, dict[str, float]] = {}
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, update_signals=update_signals):
+        for step in range(31):
+            images, labels = cnn_batch(seed=step)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(images), labels).backward()
+            before = layer_norms(model)
+            optimizer.step()
+            after = layer_norms(model)
+            expected[step] = {
+                name: norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
+                for name in before
+            }
+    got = np.array([r.update_ratios() for r in sink.records])
+    want = np.array([[expected[r.step][n] for n in r.layers] for r in sink.records])
+    return got, want
+
+
+@pytest.mark.parametrize("optimizer_name", ["adamw", "sgd_momentum"])
+def test_the_default_estimates_each_layers_update_from_a_sample(optimizer_name: str) -> None:
+    got, want = real_ratios(optimizer_name, "sampled")
+    assert got.shape == (4, 3)  # logged steps 0, 10, 20, 30; layers 0, 3, 7
+    # Layer 0 (448 elements) is taken whole: exact. 3 and 7 (4,640 and 20,490) from 1,024
+    # elements per tensor: measured within 7% on this model; allowed 15%.
+    np.testing.assert_allclose(got[:, 0], want[:, 0], rtol=1e-5)  # (fp32 differences)
+    np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=0.15)
+    assert not np.allclose(got[:, 1:], want[:, 1:], rtol=1e-4)  # a sample, not a copy
+
+
+def test_the_lattice_walks_across_rows_and_columns() -> None:
+    lattice = Lattice(64 * 64, 32, np.random.default_rng(0), whole=False)
+    assert (lattice.stride, lattice.count) == (127, 32)  # the largest prime <= 4096 / 32
+    flat = torch.arange(64 * 64.0)
+    picked = lattice.view(flat).long()
+    assert len(picked) == 32 and picked.max() < 64 * 64
+    assert len(set((picked % 64).tolist())) == 32 and len(set((picked // 64).tolist())) >= 31
+    assert lattice.scale == pytest.approx(math.sqrt(128))
+    assert Lattice(2048, 1024, np.random.default_rng(0), whole=False).whole  # small: all of it
+
+
+def test_the_default_keeps_a_few_kib_per_tensor_and_changes_no_training() -> None:
+    def run(watched: bool) -> tuple[list[torch.Tensor], dict[str, Any], torch.Tensor]:
+        torch.manual_seed(0)
+        model = SmallCNN()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        watcher = (
+            gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer) if watched else None
+        )
+        for step in range(21):
+            images, labels = cnn_batch(seed=step)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+        if watcher is not None:
+            probe = watcher.stepper.signals.updates
+            assert isinstance(probe, SampledUpdateProbe)
+            assert probe.sample_bytes == 4 * (432 + 16 + 1024 + 32 + 1024 + 10)
+            watcher.close()
+        return (
+            [p.detach().clone() for p in model.parameters()],
+            optimizer.state_dict(),
+            torch.rand(3),
+        )
+
+    watched, unwatched = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(watched[0], unwatched[0]))
+    for a, b in zip(watched[1]["state"].values(), unwatched[1]["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    assert torch.equal(watched[2], unwatched[2])  # the global RNG is untouched
+
+
+def test_a_parameter_whose_data_is_replaced_is_sampled_again() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)  # 4,096 elements: sampled, not taken whole
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1):
+        for step in range(3):
+            if step == 2:
+                model.weight.data = model.weight.data.clone()  # a new storage
+            optimizer.zero_grad()
+            model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step))).pow(
+                2
+            ).sum().backward()
+            optimizer.step()
+    ratios = [float(r.update_ratios()[0]) for r in sink.records]  # type: ignore[index]
+    assert all(ratio > 1e-4 for ratio in ratios)  # not 0: the new storage was read
+
+
+def test_without_an_optimizer_the_watching_line_says_what_is_missing_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = nn.Linear(4, 2)
+    sink = MemorySink()
+    with caplog.at_level("INFO", logger="gradtrack"):
+        with gradtrack.watch(model, backend=sink):
+            for _ in range(21):
+                model(torch.ones(1, 4)).sum().backward()
+    missing = [r.getMessage() for r in caplog.records if "need optimizer=" in r.getMessage()]
+    assert (
+        len(missing) == 1 and "update ratios and the learning-rate diagnosis are off" in missing[0]
+    )
+    assert all(r.update_norms is None for r in sink.records)

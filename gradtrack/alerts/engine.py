@@ -21,11 +21,13 @@ from gradtrack.alerts.exploding import ExplodingCheck
 from gradtrack.alerts.flow import FlowCheck
 from gradtrack.alerts.jump import JumpCheck
 from gradtrack.alerts.kinds import LayerKinds
+from gradtrack.alerts.learning_rate import LearningRateCheck
 from gradtrack.alerts.merge import merge_layers
 from gradtrack.alerts.nonfinite import NonFiniteCheck
 from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.alerts.skipped import told_skipped
 from gradtrack.alerts.spikes import SpikeCheck
+from gradtrack.alerts.story import Story
 from gradtrack.alerts.update_ratio import UpdateRatioCheck
 from gradtrack.alerts.vanishing import VanishingCheck
 from gradtrack.record import StepRecord
@@ -61,6 +63,8 @@ class AlertEngine:
         self._dead = DeadCheck(self._book, cooldowns, saturating or [False] * len(depth_order))
         self._spike = SpikeCheck(self._book, cooldowns)
         self._update_ratio = UpdateRatioCheck(self._book, cooldowns)
+        self._story = Story()
+        self._learning_rate = LearningRateCheck(self._book, cooldowns, self._story)
         self._jump = JumpCheck(self._book, cooldowns, self._kinds)
         self._flow = FlowCheck(self._book, cooldowns, self._kinds, self._total_norms)
 
@@ -81,13 +85,15 @@ class AlertEngine:
         if not record.amp_skipped:
             events += self._nonfinite.check(record)
         idx = self._book.positions(record)
+        events += self._learning_rate.check(record, idx)  # a cause, before its consequences
         events += self._exploding.layers(record, idx)
         events += self._vanishing.check(record, idx) + self._dead.check(record, idx)
         events += self._exploding.check(record, None, record.total_norm)
-        events += self._spike.check(record) + self._update_ratio.check(record, idx)
+        events += self._spike.check(record)
+        events += self._update_ratio.check(record, idx, self._story.open(record.step))
         jumps = self._jump.check(record)
         events += jumps + self._flow.check(record, broken={self._kinds.of(e.layer) for e in jumps})
         if math.isfinite(record.total_norm):
             self._total_norms.append(record.total_norm)
-        events = merge_layers(events, self._book)
+        events = self._story.tell(record.step, merge_layers(events, self._book))
         return told_skipped(record, events, self._book, self.rank) if record.skipped_by else events

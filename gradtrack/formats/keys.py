@@ -25,7 +25,7 @@ NONFINITE_KEY_PREFIX = {"nan": "grad_nan", "inf": "grad_inf"}
 ACTIVATION_KEY_PREFIX = "act_grad_norm"
 # With ``distributed.gather_ranks``: grad_norm_rank<r>/<layer>, rank r's local gradient.
 RANK_KEY_PREFIX = "grad_norm_rank"
-# With ``update_signals``: ‖W‖, ‖ΔW‖ of the applied update, and their ratio, per layer.
+# With an optimizer (``update_signals``): ‖W‖, ‖ΔW‖ of the applied update, their ratio.
 UPDATE_KEY_PREFIX = {"param": "param_norm", "update": "update_norm", "ratio": "update_ratio"}
 
 _UNSAFE_KEY_CHARS = re.compile(r"[^\w.\- :/]")

@@ -65,8 +65,7 @@ def _train(
     before: Callable[[int], None],
     **overrides: Any,
 ) -> Run:
-    params = model.parameters()
-    opt = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
     sink = MemorySink()
     losses = []
     with gradtrack.watch(model, backend=sink, optimizer=opt, **overrides) as watcher:
@@ -79,6 +78,16 @@ def _train(
             opt.step()
             losses.append(float(loss.detach()))
     return Run(sink, watcher, losses)
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """``adam``, ``adamw`` (no warmup: the rate from the first step), ``sgd``, or
+    ``momentum`` (SGD with momentum 0.9)."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    return torch.optim.SGD(params, lr, momentum=0.9 if name == "momentum" else 0.0)
 
 
 def regression_batch(width: int, batch_size: int = 32) -> Batch:
@@ -324,6 +333,19 @@ def image_batch(batch_size: int = 8) -> Batch:
     return batch
 
 
+def prototype_batch(batch_size: int = 16, noise: float = 1.0) -> Batch:
+    """Ten classes, each a fixed random image plus noise: a CNN learns it in ~30 steps."""
+    prototypes = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(123))
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(step)
+        labels = torch.randint(10, (batch_size,), generator=generator)
+        noisy = prototypes[labels] + noise * torch.randn(batch_size, 3, 32, 32, generator=generator)
+        return noisy, labels
+
+    return batch
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, targets)
 
@@ -412,3 +434,14 @@ def hf_bert() -> nn.Module:
         intermediate_size=64, max_position_embeddings=32,
     )  # fmt: skip
     return Logits(BertForSequenceClassification(config))
+
+
+def hf_llama(depth: int = 32) -> nn.Module:
+    """A deep LLaMA-shaped decoder (RMSNorm, SwiGLU, rotary attention) of tiny width."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=depth,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+    )  # fmt: skip
+    return Logits(LlamaForCausalLM(config))

@@ -6,6 +6,8 @@ All with gradtrack's default configuration (``log_every=10``, default rules).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -161,3 +163,63 @@ def test_gpt2_control_ties_its_embedding() -> None:
     model = m.GPT2Like()
     assert model.lm_head.weight is model.wte.weight
     assert isinstance(model.wte, nn.Embedding)
+
+
+# -- the learning rate (the table's first row: does not converge) ------------------------------
+CHANCE = math.log(10)  # ten classes
+
+
+def collapse_step(losses: list[float]) -> int:
+    """The step after the last one at which the run had learnt (a loss below 0.5)."""
+    return 1 + max(i for i, loss in enumerate(losses) if loss < 0.5)
+
+
+def never_advises_a_higher_rate(run: m.Run) -> None:
+    for event in run.events():
+        assert "higher learning rate" not in event.message, event.message
+
+
+@pytest.mark.parametrize(
+    ("lr", "steps"), [(0.1, 200), (0.05, 150)], ids=["learns_to_0.3", "learns_to_0"]
+)
+def test_a_collapsing_cnn_is_told_the_learning_rate_within_30_steps(lr: float, steps: int) -> None:
+    torch.manual_seed(0)
+    run = m.train(
+        SmallCNN(), m.prototype_batch(), m.cross_entropy, steps, lr=lr, optimizer="momentum"
+    )
+    collapse = collapse_step(run.losses)
+    assert 20 < collapse < steps - 50 and min(run.losses[collapse + 5 :]) > 1.5  # chance, for good
+    event = one(run.events("learning_rate"))
+    assert event.severity == "warning" and collapse <= event.step <= collapse + 30
+    assert "went dead" in event.message and "the learning rate is too high" in event.message
+    for fix in ("lower learning rate", "warmup", "clip_grad_norm_"):
+        assert fix in event.message
+    assert event.value > 0.01 and set(event.layers) <= {"0", "3"}  # the conv layers died
+    never_advises_a_higher_rate(run)
+    later = [e for e in run.loud() if e.step >= event.step and e.rule != "learning_rate"]
+    assert all(f"learning-rate alert of step {event.step}" in e.message for e in later)
+
+
+def test_the_same_cnn_at_a_lower_rate_converges_and_raises_nothing() -> None:
+    torch.manual_seed(0)
+    run = m.train(
+        SmallCNN(), m.prototype_batch(), m.cross_entropy, 300, lr=0.02, optimizer="momentum"
+    )
+    assert max(run.losses[-100:]) < 0.05  # learnt, and stays learnt
+    records = run.sink.records
+    assert all(r.update_ratios() is not None for r in records)  # the default measured them
+    assert run.loud() == []
+
+
+def test_a_deep_llama_without_warmup_is_told_the_learning_rate() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    run = m.train(m.hf_llama(), m.token_batch(64), m.next_token_loss, 100, lr=1.0,
+                  optimizer="adamw")  # fmt: skip
+    uniform = math.log(64)
+    assert min(abs(loss - uniform) for loss in run.losses[50:]) < 0.05  # uniform predictions
+    event = run.loud()[0]
+    assert (event.rule, event.step, event.severity) == ("learning_rate", 0, "warning")
+    assert "the learning rate is far too high" in event.message and "warmup" in event.message
+    assert event.value > 10 and len(event.layers) == 3  # the layers that moved most
+    never_advises_a_higher_rate(run)

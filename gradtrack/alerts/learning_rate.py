@@ -1,0 +1,138 @@
+"""The ``learning_rate`` rule: the learning rate named as the cause, from the update signals.
+
+Two findings, whichever comes first: a logged step whose median layer moved by more than
+``oversized`` × its weights (the weights are redrawn, not trained: no warmup, a rate far too
+high), or a collapse — layers whose gradient was flowing at the last logged step and is now
+exactly zero, right after updates above ``elevated`` × their weights. Either opens the
+`Incident` that later events of the same run point to (`gradtrack.alerts.story`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from gradtrack.alerts.check import Check
+from gradtrack.alerts.cooldown import Cooldowns
+from gradtrack.alerts.event import AlertEvent
+from gradtrack.alerts.rulebook import RuleBook
+from gradtrack.alerts.story import Incident, Story
+from gradtrack.alerts.wording import listed
+from gradtrack.record import StepRecord
+
+MOST_MOVED = 3  # layers an event names as those that moved most
+_TRY = (
+    "Try: a lower learning rate (3-10x lower), a warmup, and gradient clipping "
+    "(torch.nn.utils.clip_grad_norm_)."
+)
+
+
+class LearningRateCheck(Check):
+    """Remembers, per layer in depth order, whether its gradient flowed at its last logged
+    step, and the update ratios of the last ``lookback`` logged steps."""
+
+    def __init__(self, book: RuleBook, cooldowns: Cooldowns, story: Story) -> None:
+        super().__init__(book, cooldowns)
+        self.story = story
+        n = len(book.names)
+        self._flowing = np.zeros(n, dtype=bool)
+        self._ratios: deque[tuple[int, np.ndarray]] = deque(
+            maxlen=book.rules.learning_rate.lookback
+        )
+        self._total = math.nan
+
+    def check(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
+        """This step's finding, if any; the state moves on either way."""
+        ratios = record.update_ratios()
+        norms = record.column("norm")
+        events: list[AlertEvent] = []
+        if ratios is not None:
+            full = np.full(len(self.book.names), np.nan)
+            full[idx] = np.where(self.book.enabled("learning_rate", idx), ratios, np.nan)
+            if self.book.rule("learning_rate", None).enabled:
+                events = self._oversized(record, full) or self._collapse(record, idx, full)
+            self._ratios.append((record.step, full))
+        self._flowing[idx] = np.isfinite(norms) & (norms > 0)
+        if math.isfinite(record.total_norm):
+            self._total = record.total_norm
+        return events
+
+    def _oversized(self, record: StepRecord, ratios: np.ndarray) -> list[AlertEvent]:
+        rule = self.book.rule("learning_rate", None)
+        known = np.flatnonzero(np.isfinite(ratios))
+        if len(known) == 0:
+            return []
+        median = float(np.median(ratios[known]))
+        if median <= rule.oversized:
+            return []
+        top = self._most_moved(known, ratios)
+        names = [self.book.names[j] for j in top]
+        message = (
+            f"at step {record.step} one update moved the median layer by {median:.3g}x its "
+            f"weights' norm (most: {listed(names)}, {ratios[top[0]]:.3g}x; healthy layers "
+            f"move about 1e-3 of theirs per step): the learning rate is far too high"
+            f"{' for the start of training' if len(self._ratios) < 2 else ''} — the weights "
+            "are redrawn, not trained (Adam's first steps move every weight by about the "
+            f"learning rate, whatever the weight's scale: a warmup keeps them small). {_TRY}"
+        )
+        return self._emit(
+            record, names, float(ratios[top[0]]), rule.oversized, record.step, message
+        )
+
+    def _collapse(
+        self, record: StepRecord, idx: np.ndarray, ratios: np.ndarray
+    ) -> list[AlertEvent]:
+        rule = self.book.rule("learning_rate", None)
+        norms = record.column("norm")
+        went_dead = idx[(norms == 0.0) & self._flowing[idx]]
+        if len(went_dead) == 0 or not self._ratios:
+            return []
+        # The updates before the collapse are its evidence (this step's came after it).
+        window = np.stack([r for _, r in self._ratios])
+        window = np.where(np.isfinite(window), window, -np.inf)
+        moved = window.max(axis=0)
+        culprits = went_dead[moved[went_dead] > rule.elevated]
+        if len(culprits) == 0:
+            return []
+        top = self._most_moved(culprits, moved)
+        names = [self.book.names[j] for j in culprits[np.argsort(-moved[culprits])]]
+        large = [
+            s for (s, _), row in zip(self._ratios, window) if (row[culprits] > rule.elevated).any()
+        ]
+        first, last = large[0], large[-1]
+        steps = f"step {last}" if first == last else f"steps {first}-{last}"
+        previous = self._ratios[-1][0]
+        message = (
+            f"{listed(names)} went dead at step {record.step} (gradient exactly zero; it "
+            f"flowed at step {previous}) right after updates of up to {moved[top[0]]:.3g}x "
+            f"{'its' if len(names) == 1 else 'their'} weights at {steps} (healthy layers move "
+            "about 1e-3 of theirs per step): the learning rate is too high — the updates "
+            "overshot and switched units off. The total gradient norm went "
+            f"{self._total:.3g} -> {record.total_norm:.3g}. {_TRY}"
+            + (f" Restart from a checkpoint before step {first}:" if first > 0 else " Restart:")
+            + " dead units rarely come back."
+        )
+        return self._emit(record, names, float(moved[top[0]]), rule.elevated, first, message)
+
+    def _most_moved(self, candidates: np.ndarray, ratios: np.ndarray) -> np.ndarray:
+        return candidates[np.argsort(-ratios[candidates])][:MOST_MOVED]
+
+    def _emit(
+        self,
+        record: StepRecord,
+        layers: list[str],
+        ratio: float,
+        threshold: float,
+        since: int,
+        message: str,
+    ) -> list[AlertEvent]:
+        # One incident for the whole model: the cooldown is the model's, not each layer's.
+        events = self.cooldowns.emit(
+            record, "learning_rate", None, statistic="update_ratio", value=ratio,
+            threshold=threshold, message=message,
+        )  # fmt: skip
+        if events and not events[0].silenced:
+            self.story.incident = Incident(record.step, tuple(layers[:MOST_MOVED]), ratio, since)
+        return [e.model_copy(update={"layer": layers[0], "layers": tuple(layers)}) for e in events]
