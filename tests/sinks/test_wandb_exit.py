@@ -3,15 +3,13 @@ gradtrack's exit path runs before every atexit hook (W&B's teardown among them).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from gradtrack.report.wandb_source import read_wandb_offline
-from tests.sinks.wandb_records import history, of_type, read_records, run_dirs
+from tests.sinks.wandb_records import history, of_type, read_records, run_dirs, run_python
 
 pytest.importorskip("wandb")
 
@@ -58,10 +56,7 @@ SCRIPTS = {
 
 def run_script(offline: Path, name: str, steps: int) -> None:
     code = textwrap.dedent(SCRIPTS[name]).format(model=MODEL, steps=steps)
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=offline, timeout=EXIT_BOUND_S,
-        capture_output=True, text=True,
-    )  # fmt: skip
+    result = run_python(code, offline, EXIT_BOUND_S)
     assert result.returncode == 0, result.stderr
     assert "Error" not in result.stderr, result.stderr  # e.g. MailboxClosedError, warnings
 
@@ -104,9 +99,6 @@ def test_open_watchers_are_closed_before_any_atexit_hook(tmp_path: Path) -> None
             model(torch.randn(2, 3)).sum().backward()
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, timeout=EXIT_BOUND_S,
-        capture_output=True, text=True,
-    )  # fmt: skip
+    result = run_python(code, tmp_path, EXIT_BOUND_S)
     assert result.returncode == 0, result.stderr
     assert "at exit: True 7" in result.stdout, result.stdout + result.stderr
