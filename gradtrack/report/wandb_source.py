@@ -1,5 +1,7 @@
 """Reads a run gradtrack logged to W&B: an offline run directory, or the public API.
 
+Every step is in the run's step files (`gradtrack.formats.wandb_steps`); the history rows
+(a subset where the user logs to the run too) are read for runs written before those files.
 The offline reader parses the run's ``.wandb`` transaction log itself: 32 KiB blocks of
 chunks (crc32, length, type) after a 7-byte header, each record a ``wandb_internal_pb2``
 protobuf.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from gradtrack.errors import GradtrackError
 from gradtrack.extras import require_module
 from gradtrack.formats.keys import FAMILIES
 from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY
+from gradtrack.formats.wandb_steps import HistogramSeries, Series, is_part, read_dir
 from gradtrack.histogram import Histogram
 from gradtrack.report.data import Progress, RunData, from_series, parse_alert_text
 
@@ -96,7 +100,8 @@ def read_wandb_offline(path: Path, progress: Progress | None = None) -> RunData:
         if progress is not None and len(rows) % 500 == 1:
             progress(f"reading {run_file.name}", len(rows), 0)
     source = f"W&B offline run {run_file.parent}"
-    return _to_run(name, source, rows, layer_order, alerts, run_id)
+    files = read_dir(run_file.parent / "files")
+    return _to_run(name, source, rows, layer_order, alerts, run_id, files)
 
 
 def read_wandb_api(path: str, progress: Progress | None = None) -> RunData:
@@ -108,9 +113,15 @@ def read_wandb_api(path: str, progress: Progress | None = None) -> RunData:
         run = wandb.Api().run(path)
     except Exception as exc:
         raise GradtrackError(f"no W&B run {path!r}: {exc}") from None
-    rows = list(run.scan_history())
+    with tempfile.TemporaryDirectory(prefix="gradtrack-wandb-") as directory:
+        for file in run.files():
+            if is_part(file.name):
+                file.download(root=directory, replace=True)
+        files = read_dir(Path(directory))
+    rows = [] if files is not None else list(run.scan_history())
     order = list(run.config.get(LAYERS_CONFIG_KEY, []))
-    return _to_run(str(run.name or path), f"W&B run {path}", rows, order, [], str(run.id))
+    name = str(run.name or path)
+    return _to_run(name, f"W&B run {path}", rows, order, [], str(run.id), files)
 
 
 def _key(item: Any) -> str:
@@ -124,8 +135,12 @@ def _to_run(
     order: list[str],
     alerts: list[Any],
     run_id: str,
+    files: tuple[Series, HistogramSeries] | None = None,
 ) -> RunData:
-    series: dict[str, list[tuple[int, float]]] = {}
+    if files is not None:  # every step: the rows hold only some of them
+        kept, by_layer = _histograms_by_layer(*files)
+        return from_series(name, source, kept, order, by_layer, alerts, run_id)
+    series: Series = {}
     histograms: dict[str, list[tuple[int, Histogram]]] = {}
     for row in rows:
         step_key = next((k for k in row if k.startswith("gradtrack/") and k.endswith("step")), None)
@@ -148,6 +163,17 @@ def _to_run(
 
 
 _SCALAR_FAMILIES = {*FAMILIES} - {"act_grad_norm"}
+
+
+def _histograms_by_layer(series: Series, by_key: HistogramSeries) -> tuple[Series, HistogramSeries]:
+    """The step files' series, limited to what the rows' reader keeps, and their histograms
+    by layer (``grad_hist/<layer>`` keys, as in the rows)."""
+    kept = {
+        key: values for key, values in series.items() if key.partition("/")[0] in _SCALAR_FAMILIES
+    }
+    prefix = f"{HIST_FAMILY}/"
+    layers = {key.removeprefix(prefix): entries for key, entries in by_key.items()}
+    return kept, layers
 
 
 def _is_number(value: Any) -> bool:

@@ -1,10 +1,11 @@
-"""Weights & Biases sink: gradtrack's steps on their own axis, never moving the user's steps.
+"""Weights & Biases sink: every step in the run, charts current, the user's steps never moved.
 
-In a run gradtrack started, each step is a history row of its own while nobody else logs;
-in any other run each step rides one of the user's rows (`gradtrack.sinks.wandb_rows`).
-Charts use ``gradtrack/step`` (``define_metric``), so a step that rides a later row is still
-drawn at its own step. The run is found, started and bound by `gradtrack.sinks.wandb_run`;
-the names written are in `gradtrack.formats.wandb`.
+Every step the sink is handed goes into the run's step files (`gradtrack.sinks.wandb_file`),
+written as training goes. In a run gradtrack started, each step is also a history row of its
+own while nobody else logs; in any other run the newest step of each batch rides the user's
+open row (`gradtrack.sinks.wandb_rows`). Charts use ``gradtrack/step`` (``define_metric``).
+The run is found, started and bound by `gradtrack.sinks.wandb_run`; the names written are in
+`gradtrack.formats.wandb` and `gradtrack.formats.wandb_steps`. Only W&B's public API is used.
 
 wandb is imported only when the first step is written; a run already active is reused.
 """
@@ -12,7 +13,6 @@ wandb is imported only when the first step is written; a run already active is r
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -20,28 +20,30 @@ from typing import TYPE_CHECKING, Any
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
-from gradtrack.errors import GradtrackError
 from gradtrack.extras import require_module
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY, PICTURES_FAMILY, PROFILE_FAMILY
+from gradtrack.formats.wandb_steps import step_line
 from gradtrack.record import StepRecord
 from gradtrack.sinks.runbook import RunBook
-from gradtrack.sinks.wandb_exit import AWAITING_RUN_END, exiting, register_exit_hooks
-from gradtrack.sinks.wandb_rows import RowPlacer
-from gradtrack.sinks.wandb_run import WandbRun, finished
+from gradtrack.sinks.wandb_file import StepFiles
+from gradtrack.sinks.wandb_rows import RowRider
+from gradtrack.sinks.wandb_run import WandbRun, finished_error
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
 
 class WandbSink:
-    """Logs every step to W&B: metrics, histograms, a gradient-flow profile and alerts.
+    """Logs every step to W&B: step files, chart rows, histograms, a gradient-flow profile
+    and alerts.
 
     In a run gradtrack started, each step is a row of its own while nobody else logs. In
-    the user's run (or once someone else logs), steps ride the user's rows: the user's
-    ``_step`` numbering and rows are never touched. gradtrack's metrics are plotted against
-    ``gradtrack/step`` (set with ``define_metric``).
+    the user's run (or once someone else logs), the newest step of each batch rides the
+    user's open row: the user's ``_step`` numbering and rows are never touched, and every
+    step is in the step files. gradtrack's metrics are plotted against ``gradtrack/step``.
+    Called from its courier thread only.
     """
 
     def __init__(self, config: GradtrackConfig | None = None, run: Run | None = None) -> None:
@@ -50,43 +52,44 @@ class WandbSink:
         self.options = self.config.wandb
         model = self.config.model_name
         self.step_key = metric_key("gradtrack", "step", model)
-        self.coalesced_key = metric_key("gradtrack", "coalesced", model)
-        self._wandb_run = WandbRun(self.config, run, self.step_key, self._on_finish)
+        self.files_key = metric_key("gradtrack", "steps_in_files", model)
+        self._wandb_run = WandbRun(self.config, run, self.step_key)
         self._book = RunBook()
         # The report package draws; imported here, not at the top: it sits above the sinks.
         from gradtrack.report.live import Pictures
 
         self._pictures = Pictures(self.options.pictures, self.options.pictures_every)
-        # Steps waiting for a user row, and the thread that places them.
-        self._rows = RowPlacer(self.row, self.coalesced_key)
-        register_exit_hooks()
+        self._files = StepFiles(model)
+        self._rows = RowRider(self.row)
 
     @property
     def run(self) -> Run:
         """The W&B run: the one given, else the active one, else one started now."""
         return self._wandb_run.bound()
 
-    @property
-    def coalesced(self) -> int:
-        """Steps dropped for want of a user row."""
-        return self._rows.coalesced
-
     # -- GradientSink ----------------------------------------------------------------------
     def write(self, batch: Sequence[StepRecord]) -> None:
-        run = self._wandb_run.live()
-        if self._rows.error is not None:
-            raise GradtrackError(f"placing steps in W&B rows failed: {self._rows.error!r}")
+        run = self._wandb_run.bound()
+        try:
+            self._write(run, batch)
+        except Exception as error:
+            raise finished_error(error) or error from None
+
+    def _write(self, run: Run, batch: Sequence[StepRecord]) -> None:
+        # The files first: what they hold is the run's complete record.
+        self._files.append(run, [(r.step, self._line(r)) for r in batch])
+        # Before any round trip: W&B refuses this at once once the run is finished, where
+        # `run.step` would wait 30 s for its service.
+        extremes = {f"gradtrack/{name}": v for name, v in self._book.extremes(batch[-1]).items()}
+        run.summary.update({self.files_key: self._files.steps, **extremes})
         if self._book.add_layers(layer for record in batch for layer in record.layers):
             run.config.update({LAYERS_CONFIG_KEY: self._book.layers}, allow_val_change=True)
         if self._wandb_run.alone_in(run):
             for record in batch:
                 run.log(self.row(record), commit=True)
-            self._wandb_run.rows_logged(run)
+            self._wandb_run.rows_logged(run, len(batch))
         else:
-            self._rows.enqueue(run, batch)
-        self._rows.publish_coalesced(run)
-        for name, value in self._book.extremes(batch[-1]).items():
-            run.summary[f"gradtrack/{name}"] = value
+            self._rows.ride(run, batch)
         if self._pictures.add(batch):
             self._log_pictures(run)
 
@@ -94,61 +97,36 @@ class WandbSink:
         from wandb.sdk.wandb_alerts import AlertLevel
 
         self._pictures.alert(event)
-        run = self._wandb_run.live()
+        run = self._wandb_run.bound()
         levels = {"info": AlertLevel.INFO, "warning": AlertLevel.WARN, "error": AlertLevel.ERROR}
         level = levels[event.severity]
         # gradtrack's own per-rule cooldown already spaced these out; W&B's minimum wait
         # only stops it from merging distinct events that share a title.
         text = f"step {event.step}: {event.message}"
-        run.alert(title=event.title, text=text, level=level, wait_duration=timedelta(seconds=1))
-        for name, value in self._book.first_nonfinite(event).items():
-            run.summary[f"gradtrack/{name}"] = value
+        try:
+            run.alert(title=event.title, text=text, level=level, wait_duration=timedelta(seconds=1))
+            for name, value in self._book.first_nonfinite(event).items():
+                run.summary[f"gradtrack/{name}"] = value
+        except Exception as error:
+            raise finished_error(error) or error from None
 
     def flush(self) -> None:
-        """Wait (bounded) until every waiting step rides a row, or waits for the user's next."""
-        self._rows.flush(self.config.flush_timeout_s)
+        """Nothing waits here: each write reached the step files and the run before returning."""
 
     def close(self) -> None:
+        self._files.close()
         run = self._wandb_run.run
-        if run is not None and not finished(run) and self._pictures.due_at_close():
-            self._log_pictures(run)  # summary images, not rows
-        self._rows.stop()
-        if run is None or finished(run):
-            self._rows.drop_waiting()
-        elif self._wandb_run.owns_run or exiting():
-            self._on_run_end()
-            if self._wandb_run.owns_run:
-                run.finish()
-        elif self._rows.waiting():
-            # The user's run goes on and may still log rows: the waiting steps wait for its
-            # finish() (or the interpreter's exit) to get rows of their own.
-            AWAITING_RUN_END.add(self._on_finish)
-        self._rows.warn_coalesced()
-
-    # -- the run's end ---------------------------------------------------------------------
-    def _on_finish(self) -> None:
-        # Called inside the user's finish() or at exit: a failure here must not break it.
-        try:
-            self._on_run_end()
-        except Exception as error:
-            warnings.warn(
-                f"gradtrack could not log its last steps to the W&B run: {error!r}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def _on_run_end(self) -> None:
-        """The run is finishing (or the interpreter exiting): nobody logs after this, so
-        every waiting step can have a row of its own."""
-        AWAITING_RUN_END.discard(self._on_finish)
-        self._rows.stop()
-        run = self._wandb_run.run
-        if run is None or finished(run):
-            self._rows.drop_waiting()
-            self._rows.warn_coalesced()
+        if run is None:
             return
-        self._rows.place_the_rest(run)
-        self._rows.publish_coalesced(run)
+        try:
+            if self._pictures.due_at_close():
+                self._log_pictures(run)  # summary images, not rows
+        except Exception as error:
+            if finished_error(error) is None:
+                raise
+            return  # the run was finished first: that was warned about at the write
+        if self._wandb_run.owns_run:
+            run.finish()
 
     # -- rows and pictures -----------------------------------------------------------------
     def row(self, record: StepRecord) -> dict[str, Any]:
@@ -165,6 +143,15 @@ class WandbSink:
         if every is not None and record.step % every == 0:
             row[metric_key(PROFILE_FAMILY, "norm_by_depth", model)] = self._profile(record)
         return row
+
+    def _line(self, record: StepRecord) -> str:
+        """The step-file line for one step: the row's metrics and histograms, losslessly."""
+        model = self.config.model_name
+        histograms = {
+            metric_key(HIST_FAMILY, layer, model): histogram
+            for layer, histogram in record.histograms.items()
+        }
+        return step_line(record.step, scalar_metrics(record), histograms)
 
     def _profile(self, record: StepRecord) -> Any:
         import wandb

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from transformers import (
 )
 
 from gradtrack.integrations.transformers import GradtrackCallback
+from gradtrack.report.wandb_source import read_wandb_offline
 from gradtrack.sinks.memory import MemorySink
 from tests.conftest import assert_record_matches, reference_stats
 from tests.sinks import wandb_records
@@ -80,6 +83,7 @@ def _train(
     tmp_path: Path,
     callback: GradtrackCallback,
     resume_from_checkpoint: str | None = None,
+    callbacks: tuple[TrainerCallback, ...] = (),
     **options: Any,
 ) -> tuple[GradientsSeen, Trainer]:
     torch.manual_seed(0)
@@ -94,7 +98,7 @@ def _train(
     }  # fmt: skip
     trainer = Trainer(
         model=model, args=TrainingArguments(**arguments), train_dataset=Tokens(),
-        callbacks=[callback, seen],
+        callbacks=[callback, seen, *callbacks],
     )  # fmt: skip
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return seen, trainer
@@ -154,9 +158,64 @@ def test_report_to_wandb_writes_into_the_trainers_run(offline_wandb: Path) -> No
     (run_dir,) = wandb_records.run_dirs(offline_wandb)
 
     rows = wandb_records.history(wandb_records.read_records(run_dir))
-    logged = [row for row in rows if "grad_norm/transformer.h.0.attn.c_attn" in row]
-    assert [row["gradtrack/step"] for row in logged] == [2, 4]  # the Trainer's global steps
+    assert read_wandb_offline(run_dir).steps.tolist() == [2, 4]  # the Trainer's global steps
     assert any("train/loss" in row for row in rows)  # the Trainer's own metrics, same run
+
+
+class TrainerLogs(TrainerCallback):  # type: ignore[misc]
+    """What the Trainer logged, in order: each dict it handed its loggers."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **_: Any) -> None:
+        self.logs.append({**logs, "step": state.global_step})
+
+
+def test_at_the_trainers_default_logging_steps_every_step_is_in_its_run(
+    offline_wandb: Path,
+) -> None:
+    """``report_to="wandb"``, ``logging_steps`` at its default (500), the callback at its
+    defaults, 600 steps: every gradtrack step read back, the Trainer's rows as it logged
+    them, and at its row gradtrack's newest step in the run within 2 x 500 steps."""
+    steps = 600
+    memory = MemorySink()
+    trainer_logs = TrainerLogs()
+    defaults = TrainingArguments(output_dir=str(offline_wandb / "defaults"))
+    started = time.perf_counter()
+    _train(
+        offline_wandb, GradtrackCallback(backend=["wandb", memory]), report_to="wandb",
+        max_steps=steps, gradient_accumulation_steps=1, logging_steps=defaults.logging_steps,
+        callbacks=(trainer_logs,),
+    )  # fmt: skip
+    step_s = (time.perf_counter() - started) / steps
+    wandb.finish()
+    wandb.teardown()
+    (run_dir,) = wandb_records.run_dirs(offline_wandb)
+    rows = wandb_records.history(wandb_records.read_records(run_dir))
+
+    logged = list(range(10, steps + 1, 10))  # log_every=10, numbered by global_step
+    assert [r.step for r in memory.records] == logged
+    data = read_wandb_offline(run_dir)
+    assert data.steps.tolist() == logged
+    assert data.total_norm.tolist() == [r.total_norm for r in memory.records]
+    # The Trainer's rows: its values, one row per log, numbered 0, 1, 2 (it logs without step=).
+    theirs = [row for row in rows if "train/global_step" in row]
+    assert [row["_step"] for row in theirs] == list(range(len(theirs)))
+    losses = [(log["step"], log["loss"]) for log in trainer_logs.logs if "loss" in log]
+    assert [step for step, _ in losses] == [500]
+    assert [
+        (r["train/global_step"], r["train/loss"]) for r in theirs if "train/loss" in r
+    ] == losses
+    newest, behind = None, []
+    for row in rows:
+        if "gradtrack/step" in row:
+            newest = max(newest or 0, row["gradtrack/step"])
+        if "train/loss" in row:
+            assert newest is not None
+            behind.append(row["train/global_step"] - newest)
+    hand_off = math.ceil(0.6 / step_s)  # one batch gathering (0.5 s) and its W&B calls
+    assert max(behind) <= 2 * 500 + hand_off, behind
 
 
 def test_report_to_mlflow_writes_into_the_trainers_run(

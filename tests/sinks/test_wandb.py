@@ -14,9 +14,18 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.formats.wandb_steps import read_dir, read_parts
 from gradtrack.sinks import MemorySink, WandbSink
 from tests.conftest import NoUpdate, SmallCNN, cnn_batch, watch_without
-from tests.sinks.wandb_records import history, of_type, read_records, run_dirs, same, summary
+from tests.sinks.wandb_records import (
+    history,
+    of_type,
+    read_records,
+    run_dirs,
+    run_python,
+    same,
+    summary,
+)
 
 wandb = pytest.importorskip("wandb")
 
@@ -69,34 +78,44 @@ def test_offline_run_holds_every_step_histogram_alert_and_the_users_rows(
     run.finish()
     wandb.teardown()
 
-    records = read_records(run_dirs(offline)[0])
+    (run_dir,) = run_dirs(offline)
+    records = read_records(run_dir)
     rows = history(records)
+    expected = memory.scalars()
+    # Every step, losslessly, in the run's step files (what gradtrack's reader reads).
+    files = read_dir(run_dir / "files")
+    assert files is not None
+    series, file_histograms = files
+    assert [r.step for r in memory.records] == list(range(0, 24, 2))
+    assert set(series) == set(expected)
+    for key, values in expected.items():
+        assert len(series[key]) == len(values)
+        assert all(a[0] == b[0] and same(a[1], b[1]) for a, b in zip(series[key], values)), key
+    assert {key: [step for step, _ in entries] for key, entries in file_histograms.items()} == {
+        f"grad_hist/{layer}": [0, 6, 12, 18] for layer in ("0", "3", "7")
+    }
+    for key, entries in file_histograms.items():
+        numel = {"grad_hist/0": 448, "grad_hist/3": 4640, "grad_hist/7": 20490}[key]
+        for _, histogram in entries:
+            assert len(histogram.counts) == 64 and len(histogram.edges) == 65
+            assert np.all(np.diff(histogram.edges) > 0)
+            assert histogram.sample_size == min(numel, 500)
+    # The steps that rode the user's rows carry that step's values, each step once, in order.
     ours = [row for row in rows if "gradtrack/step" in row]
     steps = [row["gradtrack/step"] for row in ours]
-    assert steps == [r.step for r in memory.records] == list(range(0, 24, 2))
-
-    expected = memory.scalars()
-    keys = {k for row in ours for k in row if not k.startswith(("_", "user/", "gradtrack/"))}
-    scalar_keys = {k for k in keys if not k.startswith(("grad_hist/", "grad_profile/"))}
-    assert scalar_keys == set(expected)
+    assert steps and steps == sorted(set(steps)) and set(steps) <= set(range(0, 24, 2))
     for row in ours:
-        for key, series in expected.items():
-            value = dict(series).get(row["gradtrack/step"])
+        for key, values in expected.items():
+            value = dict(values).get(row["gradtrack/step"])
             if value is None:
                 assert key not in row
             else:
                 assert same(row[key], value), (key, row["gradtrack/step"])
-
-    hist_rows = [row for row in ours if "grad_hist/0.values" in row]
-    assert [row["gradtrack/step"] for row in hist_rows] == [0, 6, 12, 18]
-    for row in hist_rows:
-        for layer, numel in {"0": 448, "3": 4640, "7": 20490}.items():
-            counts, edges = row[f"grad_hist/{layer}.values"], row[f"grad_hist/{layer}.bins"]
-            assert len(counts) == 64 and len(edges) == 65
-            assert np.all(np.diff(edges) > 0)
-            assert sum(counts) == min(numel, 500)
-    profile_rows = [row for row in ours if any(k.startswith("grad_profile/") for k in row)]
-    assert [row["gradtrack/step"] for row in profile_rows] == [0, 12]
+    for row in ours:
+        if "grad_hist/0.values" in row:
+            assert row["gradtrack/step"] % 6 == 0
+            counts = row["grad_hist/0.values"]
+            assert len(counts) == 64 and sum(counts) == 448
 
     user_rows = [row for row in rows if "user/loss" in row]
     assert len(user_rows) == 24  # not one of the user's rows was dropped
@@ -152,7 +171,8 @@ def test_gradtrack_starts_its_own_run_and_finishes_only_that(offline: Path) -> N
     run = wandb.init(project="gradtrack-tests")
     with gradtrack.watch(model, backend="wandb", log_every=1):
         model(torch.randn(2, 4)).sum().backward()
-    assert wandb.run is run and not run._is_finished  # the user's run stays theirs
+    assert wandb.run is run  # the user's run stays theirs: still active, still taking rows
+    run.log({"after": 1.0})
     run.finish()
 
 
@@ -183,12 +203,16 @@ def test_two_models_in_one_run_keep_their_own_keys_and_steps(offline: Path) -> N
             critic(generator(torch.randn(2, 3))).sum().backward()
     run.finish()
     wandb.teardown()
-    rows = history(read_records(run_dirs(offline)[0]))
+    (run_dir,) = run_dirs(offline)
+    rows = history(read_records(run_dir))
     gen = [r["gradtrack/generator/step"] for r in rows if "gradtrack/generator/step" in r]
     crit = [r["gradtrack/critic/step"] for r in rows if "gradtrack/critic/step" in r]
-    assert gen == [0, 1, 2, 3] and crit == [0, 2]
-    keys = {k for r in rows for k in r}
-    assert {"grad_norm/generator/root", "grad_norm/critic/root", "grad/critic/total_norm"} <= keys
+    assert gen and set(gen) <= {0, 1, 2, 3} and crit and set(crit) <= {0, 2}  # charts
+    folders = run_dir / "files" / "gradtrack" / "steps"
+    for model, expected in {"generator": [0, 1, 2, 3], "critic": [0, 2]}.items():
+        series, _ = read_parts(p.read_text() for p in (folders / model).glob("*.jsonl"))
+        assert [step for step, _ in series[f"grad/{model}/total_norm"]] == expected  # every step
+        assert f"grad_norm/{model}/root" in series
 
 
 def test_finishing_the_run_before_closing_never_breaks_training(offline: Path) -> None:
@@ -246,7 +270,8 @@ def test_a_watcher_never_closed_is_flushed_at_exit(offline: Path) -> None:
         # no close(), no wandb.finish(): exit must flush both, and not hang
         """
     )
-    subprocess.run([sys.executable, "-c", code], cwd=offline, timeout=120, check=True)
+    result = run_python(code, offline, 120)
+    assert result.returncode == 0, result.stderr
     records = read_records(run_dirs(offline)[0])
     assert [row["gradtrack/step"] for row in history(records)] == [0, 1, 2, 3, 4]
     assert [e.get("exit_code", 0) for e in of_type(records, "exit")] == [0]  # run finished

@@ -1,9 +1,11 @@
-"""gradtrack never moves the user's W&B steps: real SDK, offline, read back from the run file."""
+"""gradtrack in the user's own W&B run, at any cadence of the user's logging: every step in the
+run, charts current, the user's rows untouched. Real SDK, offline, the run file read back."""
 
 from __future__ import annotations
 
+import math
 import time
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +14,14 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.config import DeliveryOptions
+from gradtrack.report.wandb_source import read_wandb_offline
 from gradtrack.sinks import MemorySink
-from gradtrack.sinks import wandb_rows as wandb_sink
-from tests.sinks.wandb_records import history, read_records, run_dirs, summary
+from tests.sinks.wandb_records import history, read_records, run_dirs
 
 wandb = pytest.importorskip("wandb")
 
-STEPS = 150
+NEVER = 0  # the user logs nothing while training, one row after it
 
 
 @pytest.fixture(autouse=True)
@@ -26,128 +29,122 @@ def offline(offline_wandb: Path) -> Path:
     return offline_wandb
 
 
-def backward(model: nn.Module) -> float:
+def backward(model: nn.Module) -> None:
     model.zero_grad()
-    loss = model(torch.randn(4, 8)).pow(2).mean()
-    loss.backward()
-    return loss.item()
+    model(torch.randn(4, 8)).pow(2).mean().backward()
 
 
-def read_back(offline: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    wandb.teardown()  # the run file is complete only once W&B's service is gone
-    records = read_records(run_dirs(offline)[0])
-    return history(records), summary(records)
+@dataclass
+class Loop:
+    rows: list[dict[str, Any]]
+    memory: MemorySink
+    run_dir: Path
+    step_s: float  # seconds per training step, measured
 
 
-@pytest.mark.parametrize("user_steps", ["explicit", "implicit"])
-def test_every_user_row_and_every_gradtrack_step_when_flushed_between_steps(
-    offline: Path, user_steps: str
-) -> None:
+def train_beside_the_user(
+    offline: Path, steps: int, every: int, explicit: bool, log_every: int, pause_s: float
+) -> Loop:
+    """A training loop whose user logs ``loss`` (= the step) every ``every``-th step, with
+    ``step=`` or without, into their own run; gradtrack watches with ``log_every``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     run = wandb.init(project="gradtrack-tests")
-    with gradtrack.watch(model, backend="wandb", log_every=1) as watcher:
-        for step in range(STEPS):
-            loss = backward(model)
-            if user_steps == "explicit":
-                run.log({"loss": loss}, step=step)  # opens row `step`, commits the one before
-                watcher.flush()  # gradtrack's step rides the open row
-            else:
-                watcher.flush()  # gradtrack's step waits in the open row
-                run.log({"loss": loss})  # the user's log commits it
-    run.finish()
-
-    rows, run_summary = read_back(offline)
-    user_rows = [row for row in rows if "loss" in row]
-    assert [row["_step"] for row in user_rows] == list(range(STEPS))
-    assert len(rows) == STEPS and rows[-1]["_step"] == STEPS - 1  # no row of gradtrack's own
-    # Each gradtrack step rode the user's row of the same step.
-    assert [row.get("gradtrack/step") for row in rows] == list(range(STEPS))
-    assert all("grad/total_norm" in row for row in rows)
-    assert run_summary.get("gradtrack/coalesced", 0) == 0
-
-
-@pytest.mark.parametrize("user_steps", ["explicit", "implicit"])
-@pytest.mark.parametrize(
-    ("steps", "pause_s"),
-    [(STEPS, 0.0), (600, 0.003)],  # paced: steps ride rows while the user commits others
-)
-def test_a_real_loop_never_loses_a_user_row_nor_overwrites_a_step(
-    offline: Path, user_steps: str, steps: int, pause_s: float
-) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-    run = wandb.init(project="gradtrack-tests")
-    memory = MemorySink()  # what reached the sinks (gradtrack's queue may drop steps first)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with gradtrack.watch(model, backend=["wandb", memory], log_every=1):
-            for step in range(steps):
-                time.sleep(pause_s)
-                loss = backward(model)
-                if user_steps == "explicit":
-                    run.log({"loss": loss}, step=step)
-                else:
-                    run.log({"loss": loss})
-        run.finish()
-
-    rows, run_summary = read_back(offline)
-    user_rows = [row for row in rows if "loss" in row]
-    assert [row["_step"] for row in user_rows] == list(range(steps))
-    assert rows[: len(user_rows)] == user_rows  # gradtrack's own rows, if any, only after
-    ours = [row["gradtrack/step"] for row in rows if "gradtrack/step" in row]
-    assert ours == sorted(set(ours))  # in order, each once
-    coalesced = run_summary.get("gradtrack/coalesced", 0)
-    delivered = [record.step for record in memory.records]
-    assert set(ours) <= set(delivered)
-    assert len(ours) + coalesced == len(delivered)  # what is missing is counted
-    left_out = [w for w in caught if "steps out of the W&B run" in str(w.message)]
-    assert bool(left_out) == (coalesced > 0)
-
-
-def user_logs_every_tenth_step(run: Any) -> None:
-    """gradtrack logs every step; the user logs ``loss`` with ``step=`` every 10th."""
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-    with gradtrack.watch(model, backend="wandb", log_every=1) as watcher:
-        for step in range(STEPS):
+    memory = MemorySink()  # what reached the sinks: every logged step
+    started = time.perf_counter()
+    with gradtrack.watch(model, backend=["wandb", memory], log_every=log_every):
+        for step in range(steps):
+            time.sleep(pause_s)
             backward(model)
-            if step % 10 == 9:
-                watcher.flush()
-                run.log({"loss": float(step)}, step=step)
-
-
-def test_steps_the_user_has_no_rows_for_wait_for_the_finish(offline: Path) -> None:
-    """The user logs every 10th step, gradtrack every step: one gradtrack step per user row,
-    the rest in order in rows of gradtrack's own once the user finishes the run."""
-    run = wandb.init(project="gradtrack-tests")
-    user_logs_every_tenth_step(run)
+            if every and step % every == every - 1:
+                run.log({"loss": float(step)}, step=step if explicit else None)
+    step_s = (time.perf_counter() - started) / steps
+    run.log({"loss": float(steps)}, step=steps if explicit else None)  # after training
     run.finish()
-
-    rows, run_summary = read_back(offline)
-    user_rows = [row for row in rows if "loss" in row]
-    assert [row["_step"] for row in user_rows] == list(range(9, STEPS, 10))
-    assert rows[-1]["_step"] > user_rows[-1]["_step"]  # gradtrack's own rows came last
-    assert all("gradtrack/step" in row for row in rows[rows.index(user_rows[-1]) + 1 :])
-    ours = [row["gradtrack/step"] for row in rows if "gradtrack/step" in row]
-    assert ours == list(range(STEPS))
-    assert "gradtrack/coalesced" not in run_summary
+    wandb.teardown()  # the run file is complete only once W&B's service is gone
+    (run_dir,) = run_dirs(offline)
+    return Loop(history(read_records(run_dir)), memory, run_dir, step_s)
 
 
-def test_steps_beyond_the_waiting_limit_are_counted_not_hidden(
-    offline: Path, monkeypatch: pytest.MonkeyPatch
+def user_rows_untouched(loop: Loop, steps: int, every: int, explicit: bool) -> None:
+    """Every row the user logged, with its value, at the ``_step`` it would have without
+    gradtrack: the user's steps with ``step=``, 0, 1, 2, ... without."""
+    logged = [*([s for s in range(steps) if s % every == every - 1] if every else []), steps]
+    user_rows = [row for row in loop.rows if "loss" in row]
+    assert [row["loss"] for row in user_rows] == [float(s) for s in logged]
+    expected_steps = logged if explicit else list(range(len(logged)))
+    assert [row["_step"] for row in user_rows] == expected_steps
+    # Rows that are not the user's hold only gradtrack's keys: at most the one open before
+    # the user's first row (with step=) or after their last (without), never one between.
+    others = [row for row in loop.rows if "loss" not in row]
+    assert all("gradtrack/step" in row for row in others)
+    assert len(others) <= 1
+
+
+def every_step_read_back(loop: Loop, steps: int, log_every: int) -> None:
+    """gradtrack's reader finds every logged step, with the values the sinks were handed."""
+    data = read_wandb_offline(loop.run_dir)
+    assert data.steps.tolist() == list(range(0, steps, log_every))
+    assert [r.step for r in loop.memory.records] == data.steps.tolist()
+    assert data.total_norm.tolist() == [r.total_norm for r in loop.memory.records]
+    ours = [row["gradtrack/step"] for row in loop.rows if "gradtrack/step" in row]
+    assert ours == sorted(set(ours)) and set(ours) <= set(data.steps.tolist())
+    # The newest step rode the row open at the end (or, if that row held a step with more
+    # keys, the newest of those: histograms every 100 steps, per-layer statistics every
+    # layer_every logged steps).
+    assert ours[-1] >= data.steps[-1] - 100
+
+
+def staleness(loop: Loop, explicit: bool) -> list[int]:
+    """At each user row while training: how many steps the newest gradtrack step in the run
+    (rows up to and including it) is behind the step the user logged the row at. Rows before
+    gradtrack's first step reached the run are left out (that hand-off also starts W&B)."""
+    newest = None
+    behind = []
+    for row in loop.rows:
+        if "gradtrack/step" in row:
+            newest = row["gradtrack/step"] if newest is None else max(newest, row["gradtrack/step"])
+        if "loss" in row and newest is not None:
+            behind.append(int(row["_step"] if explicit else row["loss"]) - newest)
+    return behind[:-1]  # the last row is logged after training
+
+
+def hand_off_steps(step_s: float, log_every: int) -> int:
+    """Steps trained while one batch gathers in gradtrack's worker (``delivery.batch_wait_s``,
+    or ``max_batch_steps`` logged steps), plus 0.1 s for the W&B calls that place it."""
+    delivery = DeliveryOptions()
+    gather = min(delivery.max_batch_steps * log_every, math.ceil(delivery.batch_wait_s / step_s))
+    return gather + math.ceil(0.1 / step_s)
+
+
+CADENCES = [1, 10, 100, NEVER]
+
+
+@pytest.mark.parametrize("log_every", [1, 10])
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "implicit"])
+@pytest.mark.parametrize("every", CADENCES, ids=lambda e: f"user-every-{e}" if e else "never")
+def test_at_10ms_per_step_every_step_is_in_the_run_and_charts_stay_current(
+    offline: Path, every: int, explicit: bool, log_every: int
 ) -> None:
-    monkeypatch.setattr(wandb_sink, "PENDING_LIMIT", 8)
-    run = wandb.init(project="gradtrack-tests")
-    with pytest.warns(RuntimeWarning, match="steps out of the W&B run"):
-        user_logs_every_tenth_step(run)
-        run.finish()
+    steps = 500
+    loop = train_beside_the_user(offline, steps, every, explicit, log_every, pause_s=0.01)
+    user_rows_untouched(loop, steps, every, explicit)
+    every_step_read_back(loop, steps, log_every)
+    behind = staleness(loop, explicit)
+    bound = 2 * max(every, log_every) + hand_off_steps(loop.step_s, log_every)
+    assert max(behind, default=0) <= bound, (sorted(behind)[-5:], bound, loop.step_s)
 
-    rows, run_summary = read_back(offline)
-    user_rows = [row for row in rows if "loss" in row]
-    assert [row["_step"] for row in user_rows] == list(range(9, STEPS, 10))
-    ours = [row["gradtrack/step"] for row in rows if "gradtrack/step" in row]
-    assert ours == sorted(set(ours))
-    assert run_summary["gradtrack/coalesced"] == STEPS - len(ours) > 0
+
+@pytest.mark.parametrize("log_every", [1, 10])
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "implicit"])
+@pytest.mark.parametrize("every", CADENCES, ids=lambda e: f"user-every-{e}" if e else "never")
+def test_at_full_speed_every_step_is_in_the_run_and_the_users_rows_untouched(
+    offline: Path, every: int, explicit: bool, log_every: int
+) -> None:
+    steps = 1500
+    loop = train_beside_the_user(offline, steps, every, explicit, log_every, pause_s=0.0)
+    user_rows_untouched(loop, steps, every, explicit)
+    every_step_read_back(loop, steps, log_every)
 
 
 def test_a_run_of_gradtracks_own_gets_a_row_per_step_until_the_user_logs_too(
@@ -165,9 +162,12 @@ def test_a_run_of_gradtracks_own_gets_a_row_per_step_until_the_user_logs_too(
             run.log({"loss": float(step)}, step=step)  # the user logs into gradtrack's run
             backward(model)
             watcher.flush()
-    rows, _ = read_back(offline)
+    wandb.teardown()
+    (run_dir,) = run_dirs(offline)
+    rows = history(read_records(run_dir))
     assert [row["gradtrack/step"] for row in rows[:5]] == [0, 1, 2, 3, 4]  # own rows
     user_rows = [row for row in rows if "loss" in row]
     assert [row["_step"] for row in user_rows] == list(range(5, 10))  # none refused
     ours = [row["gradtrack/step"] for row in rows if "gradtrack/step" in row]
-    assert ours == list(range(10))
+    assert ours == list(range(10))  # flushed after each step: each rode the user's row
+    assert read_wandb_offline(run_dir).steps.tolist() == list(range(10))

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_python(code: str, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` in a fresh process that imports this checkout's gradtrack."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, timeout=timeout_s,
+        capture_output=True, text=True,
+    )  # fmt: skip
 
 
 def run_dirs(root: Path) -> list[Path]:
