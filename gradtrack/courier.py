@@ -134,11 +134,13 @@ class _Lane:
         spool.add_cursor(cursor)
         self.position = spool.cursor(cursor)  # every item through it is delivered
         self.pending: list[Item] | None = None  # the batch being sent (again, after a failure)
+        self.pending_through = 0  # the seq it was read through
         self.waiting_since: float | None = None  # when items were first seen waiting
 
     def read(self, through: int) -> list[Item]:
-        if self.pending is None:
+        if self.pending is None:  # a batch that failed is sent again as it was read
             self.pending = self.spool.read(self.position, self.batch, through, self.histograms)
+            self.pending_through = through
         return self.pending
 
     def passed(self, through: int) -> None:
@@ -170,9 +172,7 @@ class SpooledCourier(_Thread):
         self.spool, self.sink_id, self._tracker = spool, sink_id, sink
         self._lanes = [_Lane(spool, sink_id, False, sink.batch_items)]
         if sink.histogram_steps > 0:
-            self._lanes.append(
-                _Lane(spool, f"{sink_id}/histograms", True, sink.histogram_steps)
-            )
+            self._lanes.append(_Lane(spool, f"{sink_id}/histograms", True, sink.histogram_steps))
         self._available = spool.last_seq  # appended items the worker has announced
         self._last_sent = -float("inf")
         self._backoff_s = 0.0
@@ -303,7 +303,9 @@ class SpooledCourier(_Thread):
         self._recovered()
         self._progress_at = time.monotonic()
         full = len(items) >= lane.batch
-        lane.passed(items[-1].seq if full or not lane.histograms else through)
+        # A histogram lane's batch short of full held every histogram record it was read
+        # through; any other batch ends at its last item.
+        lane.passed(items[-1].seq if full or not lane.histograms else lane.pending_through)
         self._last_sent = time.monotonic()
         self._describe()
         return True

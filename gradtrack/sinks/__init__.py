@@ -1,6 +1,12 @@
 """Built-in sinks and the registry that maps ``backend=`` names to them."""
 
-from gradtrack.sinks.base import GradientSink, create_sink, register_sink, registered_sinks
+from gradtrack.sinks.base import (
+    GradientSink,
+    TrackerSink,
+    create_sink,
+    register_sink,
+    registered_sinks,
+)
 from gradtrack.sinks.console import ConsoleSink
 from gradtrack.sinks.memory import MemorySink
 from gradtrack.sinks.mlflow import MlflowSink
@@ -16,6 +22,7 @@ __all__ = [
     "GradientSink",
     "MemorySink",
     "MlflowSink",
+    "TrackerSink",
     "WandbSink",
     "create_sink",
     "register_sink",

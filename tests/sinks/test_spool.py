@@ -121,9 +121,7 @@ def test_a_spool_carrying_a_pickle_payload_is_a_clear_error_and_runs_nothing(
     path = spool.path
     spool.close()
     db = sqlite3.connect(path / "spool.db")
-    db.execute(
-        "INSERT INTO items VALUES (2, 'record', 0, ?)", (pickle.dumps(_RunsCode(marker)),)
-    )
+    db.execute("INSERT INTO items VALUES (2, 'record', 0, ?)", (pickle.dumps(_RunsCode(marker)),))
     db.commit()
     db.close()
     result = sync_cli(path)
