@@ -18,7 +18,7 @@ from benchmarks import gpu, models
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
-CUDA_ONLY = ("syncs", "event_waits", "copies", "pinned", "memory_mib")
+CUDA_ONLY = ("syncs", "event_waits", "copies", "pinned", "host_allocs", "memory_mib")
 
 
 @pytest.mark.parametrize(
@@ -66,17 +66,22 @@ def test_a_failing_variant_is_a_row_of_its_own(
 
 
 def test_the_check_compares_counts_with_what_the_design_expects() -> None:
-    def check(variant: str, syncs: float, waits: float, copies: float) -> str:
-        return gpu.Row("m", variant, syncs=syncs, event_waits=waits, copies=copies).check
+    def check(variant: str, syncs: float, waits: float, copies: float, pinned: float,
+              host_allocs: float = 0.0) -> str:  # fmt: skip
+        row = gpu.Row("m", variant, syncs=syncs, event_waits=waits, copies=copies)
+        row.pinned, row.host_allocs = pinned, host_allocs
+        return row.check
 
-    assert check("guard", 0.0, 0.0, 0.0) == "ok"
-    assert check("guard", 0.2, 0.0, 0.0) == "UNEXPECTED"  # a sync every fifth step
-    assert check("logged step", 0.0, 0.0, 1.0) == "ok"
-    assert check("logged step", 0.0, 0.0, 2.0) == "UNEXPECTED"  # a second host copy
-    assert check("raise rule", 1.0, 0.0, 1.0) == "ok"
-    assert check("raise rule", 0.0, 1.0, 1.0) == "ok"  # the read as an event wait
-    assert check("raise rule", 1.0, 1.0, 1.0) == "UNEXPECTED"
-    assert check("wandb.watch", 7.0, 0.0, 7.0) == "—"  # not gradtrack's to promise
+    assert check("guard", 0.0, 0.0, 0.0, 0.0) == "ok"
+    assert check("guard", 0.2, 0.0, 0.0, 0.0) == "UNEXPECTED"  # a sync every fifth step
+    assert check("logged step", 0.0, 0.0, 2.0, 2.0) == "ok"
+    assert check("logged step", 0.0, 0.0, 3.0, 3.0) == "UNEXPECTED"  # a third host copy
+    assert check("logged step", 0.0, 0.0, 2.0, 1.0) == "UNEXPECTED"  # one of them blocking
+    assert check("logged step", 0.0, 0.0, 2.0, 2.0, 0.5) == "UNEXPECTED"  # cudaHostAlloc
+    assert check("raise rule", 1.0, 0.0, 1.0, 0.0) == "ok"
+    assert check("raise rule", 0.0, 1.0, 1.0, 0.0) == "ok"  # the read as an event wait
+    assert check("raise rule", 1.0, 1.0, 1.0, 0.0) == "UNEXPECTED"
+    assert check("wandb.watch", 7.0, 0.0, 7.0, 0.0) == "—"  # not gradtrack's to promise
 
 
 def test_main_prints_one_table_on_the_cpu(
