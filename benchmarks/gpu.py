@@ -1,25 +1,26 @@
 """On an accelerator, measured: what each of gradtrack's kinds of step costs the device.
 
     python -m benchmarks.gpu [--models cnn mlp transformer stress bf16] [--rounds 8]
-        [--steps 8] [--count-steps 5] [--big-width 2048] [--big-layers 8]
+        [--steps 8] [--count-steps 5] [--big-width 2048] [--big-layers 8] [--big-tokens 1024]
 
 Without a CUDA device it prints one line and exits 0. ``--device cpu`` (and `measure` with a
 CPU device, as the tests run it) takes the same code path on the CPU, where the columns only
 CUDA can measure read n/a.
 
 For each model (the four of `benchmarks.models` and a bf16 transformer sized by
-``--big-width`` / ``--big-layers``), every variant first runs alone, on its own copy of the
-model: a warm-up, then ``--count-steps`` steps under ``torch.cuda.set_sync_debug_mode("warn")``
-(its warnings counted: blocking host syncs, and `torch.cuda.Event.synchronize` calls made by
-the training thread counted beside them), then as many under ``torch.profiler`` (device→host
-memcpy events counted, how many went to pinned memory: asynchronous ones, and the
-``cudaHostAlloc`` calls, which wait for the device too), while the
-peak of ``torch.cuda.max_memory_allocated`` above what was allocated before the copy was made
-is kept. Then all variants, each on a fresh copy, run round-robin in chunks of ``--steps``
-steps, ``--rounds`` times (`benchmarks.overhead.Runner`: the device synchronised at the end
-of a chunk, gradtrack's worker flushed and the CPU time of that flush charged to the chunk).
-One table: median step time, ÷ no monitoring, ÷ the floor, syncs and copies per step beside
-what the design expects (benchmarks/README.md), GPU memory added over no monitoring.
+``--big-width`` / ``--big-layers`` / ``--big-tokens``), every variant first runs alone, on its
+own copy of the model: a warm-up, then ``--count-steps`` steps under
+``torch.cuda.set_sync_debug_mode("warn")`` (its warnings counted: blocking host syncs; and
+`torch.cuda.Event.synchronize` calls made by the training thread, which it does not see),
+then as many under ``torch.profiler`` (device→host memcpy events counted, how many went to
+pinned memory: asynchronous ones, and the pinned allocations, which wait for the device
+too), while the peak of ``torch.cuda.max_memory_allocated`` above what was allocated before
+the copy was made is kept. Then all variants, each on a fresh copy, run round-robin in chunks
+of ``--steps`` steps, ``--rounds`` times (`benchmarks.overhead.Runner`: the device
+synchronised at the end of a chunk, gradtrack's worker flushed and the CPU time of that flush
+charged to the chunk). One table: median step time, ÷ no monitoring, ÷ the floor, syncs and
+copies per step beside what the design expects (benchmarks/README.md), GPU memory added over
+no monitoring.
 
 Variants: none; floor (one foreach norm pass + one host copy); wandb.watch (offline,
 ``log="gradients"``, every step); gradtrack's guard alone (no step logged); a logged step
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import math
 import os
 import statistics
@@ -53,6 +55,7 @@ from benchmarks.overhead import Runner, Setup, base, floor, gradtrack_variant, w
 
 Build = Callable[[], tuple[nn.Module, models.LossFn]]
 NO_CUDA = "no CUDA device: nothing measured"
+PINNED_ALLOCATIONS = {"cudaHostAlloc", "cudaMallocHost", "cudaHostRegister"}  # runtime calls
 QUIET = {"log_every": 10**9, "histograms": False}  # step 0 (in the warm-up) is the only logged one
 
 
@@ -198,7 +201,8 @@ def count_copies(
     names = [event.name for event in trace.events()]
     copies = [name for name in names if name.startswith("Memcpy DtoH")]
     pinned = sum("Pinned" in name for name in copies)
-    return len(copies) / steps, pinned / steps, names.count("cudaHostAlloc") / steps
+    allocs = sum(name in PINNED_ALLOCATIONS for name in names)
+    return len(copies) / steps, pinned / steps, allocs / steps
 
 
 def count_alone(
@@ -317,8 +321,8 @@ def wandb_offline() -> Iterator[None]:
             run.finish()
 
 
-def builders(big_width: int, big_layers: int) -> dict[str, Build]:
-    bf16 = partial(models.bf16_transformer, layers=big_layers, width=big_width)
+def builders(big_width: int, big_layers: int, big_tokens: int) -> dict[str, Build]:
+    bf16 = partial(models.bf16_transformer, layers=big_layers, width=big_width, tokens=big_tokens)
     return {**models.MODELS, "bf16": bf16}
 
 
@@ -333,13 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count-steps", type=int, default=5)
     parser.add_argument("--big-width", type=int, default=2048)
     parser.add_argument("--big-layers", type=int, default=8)
+    parser.add_argument("--big-tokens", type=int, default=1024, help="per sequence (batch 4)")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA)
         return 0
-    available = builders(args.big_width, args.big_layers)
+    available = builders(args.big_width, args.big_layers, args.big_tokens)
     unknown = sorted(set(args.models) - set(available))
     if unknown:
         parser.error(f"unknown models {unknown}: choose from {sorted(available)}")
@@ -347,11 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__} on {device} ({name}); median of {args.rounds} chunks "
           f"of {args.steps} steps; counts over {args.count_steps} steps")  # fmt: skip
+    variants = args.variants
+    if "wandb.watch" in variants and importlib.util.find_spec("wandb") is None:
+        print("(wandb is not installed: no wandb.watch rows)")
+        variants = [v for v in variants if v != "wandb.watch"]
     print(HEADER)
     print("|" + " --- |" * HEADER.count(" | ") + " --- |")
-    with wandb_offline():
+    with wandb_offline() if "wandb.watch" in variants else contextlib.nullcontext():
         for model in args.models:
-            for row in measure(model, available[model], device, args.variants, args.rounds,
+            for row in measure(model, available[model], device, variants, args.rounds,
                                args.steps, args.count_steps):  # fmt: skip
                 print(format_row(row), flush=True)
     print(f"({time.perf_counter() - started:.0f} s)")

@@ -88,7 +88,7 @@ def test_main_prints_one_table_on_the_cpu(
     offline_wandb: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["--device", "cpu", "--models", "bf16", "--big-width", "16", "--big-layers", "1",
-            "--rounds", "1", "--steps", "1", "--count-steps", "1"]  # fmt: skip
+            "--big-tokens", "4", "--rounds", "1", "--steps", "1", "--count-steps", "1"]  # fmt: skip
     assert gpu.main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == gpu.HEADER
