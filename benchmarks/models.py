@@ -52,3 +52,20 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, LossFn]]] = {
     "transformer": transformer,
     "stress": stress,
 }
+
+
+def bf16_transformer(
+    layers: int = 8, width: int = 2048, batch: int = 4, tokens: int = 1024
+) -> tuple[nn.Module, LossFn]:
+    """A bf16 transformer encoder (``layers`` × d=``width``, ``width // 128`` heads, FFN 4×),
+    batch ``batch`` × ``tokens``: sized to keep an accelerator busy. The default, ~400 M
+    parameters and 4,096 tokens (~1e13 FLOPs a step), is meant for ~50 ms a step on an
+    H100/H200-class GPU (an estimate from peak bf16 throughput, not a measurement)."""
+    layer = nn.TransformerEncoderLayer(
+        width, nhead=max(1, width // 128), dim_feedforward=4 * width, dropout=0.0,
+        batch_first=True,
+    )  # fmt: skip
+    model = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False)
+    model.to(torch.bfloat16)
+    inputs = torch.randn(batch, tokens, width, dtype=torch.bfloat16)
+    return model, lambda: model(inputs).float().pow(2).mean()

@@ -46,10 +46,17 @@ def _all_finite(tensors: Sequence[Tensor | None]) -> Tensor:
 
 
 def _read(flags: Sequence[Tensor]) -> list[bool]:
-    """Many device flags in one read (one wait, where a device is involved)."""
-    if not flags:
-        return []
-    return [bool(v) for v in torch.stack([f.cpu() for f in flags]).numpy().tolist()]
+    """Many device flags in one read per device (one wait each, where a device is involved;
+    a ``.cpu()`` per flag would wait once per module)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(i)
+    values = [False] * len(flags)
+    for indices in by_device.values():
+        read = torch.stack([flags[i] for i in indices]).cpu().numpy().tolist()
+        for i, value in zip(indices, read):
+            values[i] = bool(value)
+    return values
 
 
 def _finite(tensors: Sequence[Tensor | None]) -> bool:
@@ -259,6 +266,6 @@ def nonfinite_weight_layers(
     """The layers whose parameters (not gradients) hold a NaN or Inf, in depth order."""
     with torch.no_grad():
         norms = torch._foreach_norm([p.detach() for p in params])  # one batched pass
-        finite = torch.isfinite(torch.stack([n.float().cpu() for n in norms])).tolist()
+        finite = _read([torch.isfinite(n) for n in norms])  # one read, not one per tensor
     bad = sorted({int(tensor_layer[i]) for i, ok in enumerate(finite) if not ok})
     return tuple(layer_names[i] for i in bad)

@@ -95,3 +95,32 @@ def test_a_large_output_gradient_is_not_held_and_the_event_says_so(
             optimizer.step()
     event = only(sink.events, "nonfinite")[0]
     assert event.step == 1 and "not kept" in event.message
+
+
+def test_a_bad_step_reads_its_flags_back_once_not_once_per_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an accelerator each ``.cpu()`` is a wait for the device: the weights' check and
+    the replay's per-module flags are read in one copy per device."""
+    from gradtrack.origin import _read, nonfinite_weight_layers
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
+    with torch.no_grad():
+        model[3].weight[0, 0] = float("nan")
+    params = list(model.parameters())
+    reads = []
+    original = torch.Tensor.cpu
+
+    def cpu(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        reads.append(self.shape)
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    names = tuple(str(i) for i in range(5))
+    tensor_layer = torch.arange(10).div(2, rounding_mode="floor").numpy()
+    assert nonfinite_weight_layers(names, params, tensor_layer) == ("3",)
+    assert reads == [torch.Size([10])]
+    reads.clear()
+    flags = [torch.tensor(True), torch.tensor(False), torch.tensor(True)]
+    assert _read(flags) == [True, False, True] and reads == [torch.Size([3])]
+    assert _read([]) == []
