@@ -11,6 +11,7 @@ import atexit
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 from gradtrack import lifecycle
@@ -34,6 +35,7 @@ class MlflowRun:
         self.artifact_uri: str | None = None
         self._experiment_id: str | None = None
         self._tracking: Tracking | None = None
+        self._sharing_thread: int | None = None  # the thread whose active run it is
         if run_id is None and "mlflow" in sys.modules:  # only then can a run be active
             import mlflow
 
@@ -76,6 +78,7 @@ class MlflowRun:
             )
             return
         self.shares_run = True
+        self._sharing_thread = threading.get_ident()
         # MLflow's own exit hook (registered when mlflow was imported) ends the active run
         # FINISHED; ours, registered after it, runs first: the run ends as training ended.
         atexit.unregister(_close_watchers_before_mlflow_exits)
@@ -144,6 +147,11 @@ class MlflowRun:
         keeps its status and is only let go."""
         if not (self.shares_run and self.owns_run):
             return
+        if threading.get_ident() != self._sharing_thread:
+            # Closed at exit by gradtrack's exit thread: MLflow's active run is the main
+            # thread's, ended by MLflow's exit hook; ours runs just before it, there.
+            _ENDS_AT_EXIT.append((self, outcome))
+            return
         import mlflow
 
         active = mlflow.active_run()
@@ -166,8 +174,19 @@ class MlflowRun:
             self._tracking.close()  # e.g. the embedded store's database connections
 
 
+_ENDS_AT_EXIT: list[tuple[MlflowRun, str]] = []
+
+
 def _close_watchers_before_mlflow_exits() -> None:
+    """Before MLflow's own exit hook (which ends the active run FINISHED), in the main
+    thread: close what is still open, and end shared runs with how training ended."""
     lifecycle.close_open_watchers()
+    while _ENDS_AT_EXIT:
+        run, outcome = _ENDS_AT_EXIT.pop(0)
+        try:
+            run.end_shared(outcome)
+        except Exception as exc:
+            warn(redact(f"gradtrack could not end MLflow run {run.run_id}: {exc!r}"))
 
 
 def portable_uri(uri: str | None) -> str | None:
