@@ -28,6 +28,12 @@ def test_scalars_use_the_shared_keys_and_nonfinite_keys_only_where_nonzero() -> 
         for prefix in ("grad_norm", "grad_max", "grad_mean_abs", "grad_rms")
         for layer in ("0", "2")
     }
+    # With optimizer=, the default (sampled) update signals on the per-layer steps.
+    per_layer |= {
+        f"{prefix}/{layer}"
+        for prefix in ("param_norm", "update_norm", "update_ratio")
+        for layer in ("0", "2")
+    }
     totals = {"grad/total_norm", "grad/nan_count", "grad/inf_count"}
     totals |= {"grad/min_layer_norm", "grad/max_layer_norm"}
     assert set(scalars) == {*totals, "grad_nan/0", "grad_inf/0", *per_layer}
