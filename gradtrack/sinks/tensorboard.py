@@ -13,6 +13,7 @@ first step is written; a ``SummaryWriter`` given is used as it is and left open 
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,13 @@ from gradtrack.formats.tensorboard import (
 )
 from gradtrack.record import StepRecord
 from gradtrack.sinks.runbook import RunBook
+
+
+def is_summary_writer(backend: object) -> bool:
+    """A torch or tensorboardX ``SummaryWriter`` (its module is imported if one was made)."""
+    modules = ("torch.utils.tensorboard.writer", "tensorboardX.writer")
+    types = [sys.modules[name].SummaryWriter for name in modules if sys.modules.get(name)]
+    return any(isinstance(backend, cls) for cls in types)
 
 
 class TensorboardSink:
