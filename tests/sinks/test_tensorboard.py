@@ -28,7 +28,9 @@ STEPS, NAN_STEP = 24, 9
 
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
+    )
 
 
 def train(backend: Any, steps: int = STEPS, **options: Any) -> gradtrack.Watcher:
