@@ -170,7 +170,9 @@ class SpooledCourier(_Thread):
         self.spool, self.sink_id, self._tracker = spool, sink_id, sink
         self._lanes = [_Lane(spool, sink_id, False, sink.batch_items)]
         if sink.histogram_steps > 0:
-            self._lanes.append(_Lane(spool, f"{sink_id}/histograms", True, sink.histogram_steps))
+            self._lanes.append(
+                _Lane(spool, f"{sink_id}/histograms", True, sink.histogram_steps)
+            )
         self._available = spool.last_seq  # appended items the worker has announced
         self._last_sent = -float("inf")
         self._backoff_s = 0.0

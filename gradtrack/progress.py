@@ -52,7 +52,8 @@ def progress_line(what: str, left: int, delivered: int, elapsed_s: float) -> str
     if rate <= 0:
         return f"{what}: {left:,} item(s) left, none delivered for {elapsed_s:.0f} s"
     return (
-        f"{what}: {left:,} item(s) left, {rate:,.0f}/s, about {max(1.0, left / rate):,.0f} s to go"
+        f"{what}: {left:,} item(s) left, {rate:,.0f}/s, "
+        f"about {max(1.0, left / rate):,.0f} s to go"
     )
 
 

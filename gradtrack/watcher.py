@@ -262,7 +262,8 @@ class Watcher:
         if not self.worker.request("stop", timeout_s, outcome):
             warn(
                 f"gradtrack's delivery made no progress for flush_timeout_s={timeout_s:g} s "
-                "(a tracker is away); " + self.worker.sync_hint()
+                "(a tracker is away); "
+                + self.worker.sync_hint()
             )
         self._after_sinks_closed()
 

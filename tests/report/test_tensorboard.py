@@ -38,6 +38,7 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         with gradtrack.watch(
             model, backend=["tensorboard", "mlflow"], optimizer=optimizer, log_every=2,
             histograms={"every": 10}, layer_every=10, alerts={"nonfinite": {"action": "skip"}},
+            skip={"journal": str(root / f"{name}-skipped.json")},
             tensorboard={"log_dir": str(root / name)},
             mlflow={"tracking_uri": uri, "experiment": "tb", "run_name": name, "pictures": False},
         ):  # fmt: skip

@@ -1,6 +1,6 @@
 """TensorBoard's own server on loopback shows gradtrack's histograms: its histogram data holds
-exactly gradtrack's bins (edges as float32), and in headless Chromium its histogram dashboard draws one chart per
-gradtrack histogram tag, one outline per logged step."""
+exactly gradtrack's bins (edges as float32), and in headless Chromium its histogram dashboard
+draws one chart per gradtrack histogram tag, one outline per logged step."""
 
 from __future__ import annotations
 
