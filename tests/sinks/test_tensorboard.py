@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.sinks import MemorySink, TensorboardSink
+from gradtrack.sinks import MemorySink, TensorboardSink, registered_sinks
 from tests.conftest import watch_without
 from tests.sinks.wandb_records import run_python
 
@@ -208,3 +208,13 @@ def test_a_full_disk_is_reported_once_and_training_goes_on(tmp_path: Path) -> No
     assert "File too large" in result.stderr and "RuntimeWarning" in result.stderr
     (events_file,) = (tmp_path / "tb").glob("*tfevents*")
     assert events_file.stat().st_size <= 64 * 1024
+
+
+def test_the_tensorboard_section_comes_from_the_environment_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_tmp: None
+) -> None:
+    monkeypatch.setenv("GRADTRACK_TENSORBOARD__LOG_DIR", str(tmp_path / "from-env"))
+    assert "tensorboard" in registered_sinks()
+    train("tensorboard", log_every=4, tensorboard={"pictures": False}, histograms=False)
+    acc = events(tmp_path / "from-env")
+    assert [s for s, _ in scalars(acc, "grad/total_norm")] == [0, 4, 8, NAN_STEP, 12, 16, 20]
