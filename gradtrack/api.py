@@ -32,9 +32,10 @@ def watch(
 ) -> Watcher:
     """Watch ``model``'s gradients and stream per-layer summaries to ``backend``.
 
-    ``backend`` is a registered name (``"console"``, ``"memory"`` …), a `GradientSink`, or a
-    list of either. With ``optimizer`` there is one step per ``optimizer.step()`` (right for
-    gradient accumulation), else one per backward. ``config`` is a `GradtrackConfig`, a dict or
+    ``backend`` is a registered name (``"console"``, ``"memory"``, ``"tensorboard"`` …), a
+    `GradientSink`, a TensorBoard ``SummaryWriter``, or a list of these. With ``optimizer``
+    there is one step per ``optimizer.step()`` (right for gradient accumulation), else one
+    per backward. ``config`` is a `GradtrackConfig`, a dict or
     a config file; keyword ``overrides`` (``log_every=1``) win over everything else.
     With a ``scaler`` (`torch.amp.GradScaler`) a step is one ``scaler.update()``: gradients
     are reported unscaled and overflow-skipped steps become ``amp`` events. ``on_alert`` is

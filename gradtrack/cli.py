@@ -4,8 +4,9 @@
     gradtrack report RUN
     gradtrack sync [SPOOL ...] [--timeout S]
 
-A RUN is a W&B offline run directory, ``wandb:entity/project/run_id`` (public API), or an
-MLflow run id or ``experiment/run-name``. A SPOOL is what a run left undelivered (the
+A RUN is a W&B offline run directory, ``wandb:entity/project/run_id`` (public API), a
+TensorBoard log dir (a folder of event files, or ``tensorboard:DIR``), or an MLflow run id or
+``experiment/run-name``. A SPOOL is what a run left undelivered (the
 warning at its close names it), or a folder of them (default: every spool left on this
 machine). Exit status: 0, or 1 when ``--parity`` finds runs that part or ``sync`` could not
 deliver everything, or 2 on an error.
@@ -31,11 +32,16 @@ DEFAULT_OUT = Path("gradtrack-report")
 
 def read_run(spec: str, tracking_uri: str | None) -> RunData:
     from gradtrack.report.mlflow_source import read_mlflow_run
+    from gradtrack.report.tensorboard_source import is_log_dir, read_tensorboard_dir
     from gradtrack.report.wandb_source import read_wandb_api, read_wandb_offline
 
     if spec.startswith("wandb:"):
         return read_wandb_api(spec[len("wandb:") :], progress=_progress)
+    if spec.startswith("tensorboard:"):
+        return read_tensorboard_dir(Path(spec[len("tensorboard:") :]), progress=_progress)
     path = Path(spec)
+    if is_log_dir(path):
+        return read_tensorboard_dir(path, progress=_progress)
     if path.exists():
         return read_wandb_offline(path, progress=_progress)
     return read_mlflow_run(spec, tracking_uri, progress=_progress)

@@ -149,6 +149,26 @@ class MlflowOptions(BaseModel):
         return value
 
 
+class TensorboardOptions(BaseModel):
+    """Where the TensorBoard sink writes its event files (a ``SummaryWriter`` given as the
+    backend keeps its own folder)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    log_dir: str | None = Field(
+        None, description="Folder of the event files; default runs/<date>_<host>, as "
+        "SummaryWriter's own default.",
+    )  # fmt: skip
+    pictures: bool = Field(
+        True,
+        description="At close, draw the run's gradient-flow pictures and write them as "
+        "images, grad_pictures/<name> (needs matplotlib: gradtrack[report]).",
+    )
+    pictures_every: PositiveInt | None = Field(
+        None, description="Also redraw them every N steps (None: at close only)."
+    )
+
+
 class DistributedOptions(BaseModel):
     """How gradtrack behaves under torch.distributed (detected; nothing to switch on)."""
 
@@ -285,8 +305,8 @@ class GradtrackConfig(BaseModel):
     """Everything that decides what gradtrack watches, how often, and how it hands data on.
 
     The most common options sit at the top level; the others in sections (``histograms``,
-    ``delivery``, ``spool``, ``console``, ``wandb``, ``mlflow``, ``distributed``, ``skip``,
-    ``alerts``), given as dicts: ``histograms={"every": 50}``.
+    ``delivery``, ``spool``, ``console``, ``wandb``, ``mlflow``, ``tensorboard``,
+    ``distributed``, ``skip``, ``alerts``), given as dicts: ``histograms={"every": 50}``.
 
     >>> GradtrackConfig(log_every=5, histograms={"bins": 32}).histograms.bins
     32
@@ -381,6 +401,9 @@ class GradtrackConfig(BaseModel):
     )
     wandb: WandbOptions = Field(default_factory=WandbOptions, description="W&B sink options.")
     mlflow: MlflowOptions = Field(default_factory=MlflowOptions, description="MLflow options.")
+    tensorboard: TensorboardOptions = Field(
+        default_factory=TensorboardOptions, description="TensorBoard sink options."
+    )
     distributed: DistributedOptions = Field(
         default_factory=DistributedOptions, description="torch.distributed options."
     )

@@ -8,7 +8,8 @@ One record per optimizer step, taken in ``on_before_optimizer_step``: after grad
 accumulation, after a mixed-precision GradScaler has unscaled the gradients, before clipping
 (the gradients the model produced, as Lightning's own gradient-norm logging sees them).
 Without ``backend`` the sinks follow the trainer's loggers: a ``WandbLogger`` → its W&B run,
-an ``MLFlowLogger`` → its MLflow run, otherwise the console.
+an ``MLFlowLogger`` → its MLflow run, a ``TensorBoardLogger`` → its ``SummaryWriter`` (its
+version's log dir), otherwise the console.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from gradtrack.sinks.base import GradientSink
 
 if importlib.util.find_spec("lightning") is not None:
     from lightning.pytorch import Callback, LightningModule, Trainer
-    from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 elif importlib.util.find_spec("pytorch_lightning") is not None:
     from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[assignment]
     from pytorch_lightning.loggers import (  # type: ignore[assignment]
         MLFlowLogger,
+        TensorBoardLogger,
         WandbLogger,
     )
 else:
@@ -85,4 +87,8 @@ def _sinks_of(trainer: Trainer, config: GradtrackConfig) -> list[str | GradientS
             uri = logger.experiment.tracking_uri  # an MlflowClient
             options = config.mlflow.model_copy(update={"tracking_uri": uri})
             sinks.append(MlflowSink(config.model_copy(update={"mlflow": options}), logger.run_id))
+        elif isinstance(logger, TensorBoardLogger):
+            from gradtrack.sinks.tensorboard import TensorboardSink
+
+            sinks.append(TensorboardSink(config, writer=logger.experiment))
     return sinks or ["console"]

@@ -13,19 +13,25 @@ clipped gradient never looks like it exploded). Under fp16 mixed precision with 
 the record is taken at ``scaler.update()`` instead, where gradients are unscaled — and clipped.
 Layer names are the model's module names (``transformer.h.0.attn.c_attn``). Without
 ``backend`` the sinks follow ``TrainingArguments.report_to``: ``"wandb"`` → the Trainer's W&B
-run, ``"mlflow"`` → its MLflow run, otherwise the console.
+run, ``"mlflow"`` → its MLflow run, ``"tensorboard"`` → the Trainer's TensorBoard log dir
+(``TENSORBOARD_LOGGING_DIR``, else the newest ``<output_dir>/runs/<date>_<host>`` its
+TensorBoard callback opened), otherwise the console.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.integrations._options import CallbackOptions
+from gradtrack.sinks.base import GradientSink
 
 if importlib.util.find_spec("transformers") is None:
     raise GradtrackError(
@@ -59,7 +65,7 @@ class GradtrackCallback(CallbackOptions, TrainerCallback):
             scaler = None
         self._open(
             model,
-            default_backend=lambda: _sinks_of(args),
+            default_backend=lambda: _sinks_of(args, self.config),
             scaler=scaler,
             steps="auto" if scaler is not None else _last_micro_batch(),
             # The Trainer counts a step once its optimizer has stepped (global_step 1 is the
@@ -82,9 +88,34 @@ def _last_micro_batch() -> Callable[[], bool]:
     return lambda: bool(gradient_state.sync_gradients)
 
 
-def _sinks_of(args: TrainingArguments) -> list[str]:
+def _sinks_of(args: TrainingArguments, config: GradtrackConfig) -> list[str | GradientSink]:
     report_to = args.report_to or []
     report_to = [report_to] if isinstance(report_to, str) else list(report_to)
-    # The Trainer's own W&B/MLflow callbacks run first and leave their run active.
-    sinks = [name for name in ("wandb", "mlflow") if name in report_to or "all" in report_to]
+    reported = [name for name in ("wandb", "mlflow", "tensorboard") if name in report_to]
+    if "all" in report_to:
+        reported = ["wandb", "mlflow", "tensorboard"]
+    # The Trainer's own W&B/MLflow callbacks run first and leave their run active; its
+    # TensorBoard callback has opened its writer's log dir.
+    sinks: list[str | GradientSink] = [name for name in reported if name != "tensorboard"]
+    if "tensorboard" in reported:
+        from gradtrack.sinks.tensorboard import TensorboardSink
+
+        options = config.tensorboard.model_copy(update={"log_dir": str(trainer_log_dir(args))})
+        sinks.append(TensorboardSink(config.model_copy(update={"tensorboard": options})))
     return sinks or ["console"]
+
+
+def trainer_log_dir(args: TrainingArguments) -> Path:
+    """The folder the Trainer's TensorBoard callback writes to: ``TENSORBOARD_LOGGING_DIR``,
+    an older Trainer's ``logging_dir``, else the newest ``<output_dir>/runs/*`` holding event
+    files (the callback names it by the time it opened it)."""
+    named = os.getenv("TENSORBOARD_LOGGING_DIR") or getattr(args, "logging_dir", None)
+    if named:
+        return Path(os.path.expanduser(named))
+    runs = [p.parent for p in Path(args.output_dir or ".", "runs").glob("*/*tfevents*")]
+    if not runs:
+        raise GradtrackError(
+            f"report_to='tensorboard', but no TensorBoard log dir under {args.output_dir}/runs: "
+            "add GradtrackCallback after the Trainer's callbacks, or pass backend="
+        )
+    return max(runs, key=lambda p: p.stat().st_mtime)

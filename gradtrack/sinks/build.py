@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Union
 
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.log import report
 from gradtrack.sinks.base import GradientSink, create_sink
+from gradtrack.sinks.tensorboard import TensorboardSink, is_summary_writer
 
-Backend = str | GradientSink
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+# A registered name, a sink, or a TensorBoard ``SummaryWriter`` (written through as it is).
+Backend = Union[str, GradientSink, "SummaryWriter"]
 
 
 def build_sinks(
@@ -22,12 +28,14 @@ def build_sinks(
     for item in items:
         if isinstance(item, str):
             sinks.append(create_sink(item, config))
+        elif is_summary_writer(item):
+            sinks.append(TensorboardSink(config, writer=item))
         elif isinstance(item, GradientSink):
             sinks.append(item)
         else:
             raise GradtrackError(
-                f"backend {item!r} is neither a registered name nor a GradientSink "
-                "(an object with write, alert, flush and close methods)"
+                f"backend {item!r} is neither a registered name, a GradientSink (an object "
+                "with write, alert, flush and close methods) nor a TensorBoard SummaryWriter"
             )
     return sinks
 

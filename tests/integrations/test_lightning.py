@@ -20,12 +20,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("lightning")
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 from gradtrack.integrations.lightning import GradtrackCallback
+from gradtrack.report.tensorboard_source import load_events, read_tensorboard_dir
 from gradtrack.report.wandb_source import read_wandb_offline
 from gradtrack.sinks.memory import MemorySink
+from gradtrack.sinks.tensorboard import TensorboardSink
 from tests.conftest import assert_record_matches, reference_stats
 from tests.sinks import wandb_records
 from tests.sinks.mlflow_server import MlflowServer
@@ -176,6 +178,29 @@ def test_mlflow_logger_run_receives_the_gradients(mlflow_server: MlflowServer) -
     history = client.get_metric_history(logger.run_id, "grad_norm/body.2")
     assert [m.step for m in history] == list(range(0, BATCHES, 3))
     assert client.get_metric_history(logger.run_id, "train_loss")
+
+
+def test_tensorboard_logger_writer_receives_the_gradients(tmp_path: Path) -> None:
+    """A TensorBoardLogger: gradtrack writes through its SummaryWriter, into its version's
+    log dir, at Lightning's global steps, beside Lightning's own scalars."""
+    logger = TensorBoardLogger(save_dir=str(tmp_path), name="tiny")
+    callback = GradtrackCallback(log_every=2, layer_every=1, histograms={"every": 4})
+    seen = _fit(callback, logger=logger)
+    assert callback.watcher is not None
+    (sink,) = callback.watcher.sinks
+    assert isinstance(sink, TensorboardSink) and sink.writer is logger.experiment
+    logger.finalize("success")
+
+    log_dir = Path(logger.log_dir)  # tiny/version_0
+    assert log_dir.name == "version_0"
+    data = read_tensorboard_dir(log_dir)
+    assert data.steps.tolist() == list(range(0, BATCHES, 2))
+    assert data.layers == ["body.0", "body.2"]
+    for row, step in enumerate(data.steps.tolist()):
+        expected = [seen.steps[step][layer]["norm"] for layer in data.layers]
+        assert data.norms[row].tolist() == pytest.approx(expected, rel=1e-6)
+    assert [s for s, _ in data.histograms["body.0"]] == [0, 4, 8]
+    assert "train_loss" in load_events(log_dir).Tags()["scalars"]  # Lightning's, same dir
 
 
 def test_other_loggers_fall_back_to_the_console(

@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from gradtrack.integrations.transformers import GradtrackCallback
+from gradtrack.report.tensorboard_source import load_events, read_tensorboard_dir
 from gradtrack.report.wandb_source import read_wandb_offline
 from gradtrack.sinks.memory import MemorySink
 from tests.conftest import assert_record_matches, reference_stats
@@ -236,6 +237,36 @@ def test_report_to_mlflow_writes_into_the_trainers_run(
     history = client.get_metric_history(run.info.run_id, "grad_norm/transformer.ln_f")
     loss = client.get_metric_history(run.info.run_id, "loss")  # the Trainer's, at global_step
     assert [m.step for m in history] == [m.step for m in loss] == list(range(1, STEPS + 1))
+
+
+def test_report_to_tensorboard_writes_into_the_trainers_log_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``report_to="tensorboard"``: gradtrack's events land in the log dir the Trainer's
+    TensorBoard callback opened (``<output_dir>/runs/<date>_<host>``), numbered by its
+    global_step, as its own ``train/loss`` is."""
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    callback = GradtrackCallback(log_every=1, layer_every=1, histograms={"every": 2})
+    seen, _ = _train(tmp_path, callback, report_to="tensorboard")
+
+    (log_dir,) = {p.parent for p in (tmp_path / "out" / "runs").glob("*/*tfevents*")}
+    data = read_tensorboard_dir(log_dir)
+    assert data.steps.tolist() == list(range(1, STEPS + 1))
+    events = load_events(log_dir)
+    loss_steps = [e.step for e in events.Scalars("train/loss")]  # the Trainer's own
+    assert loss_steps == data.steps.tolist()
+    # The Trainer logs the total norm before it clips: gradtrack's, step by step.
+    logged = [logs["grad_norm"] for logs in seen.logs]
+    assert data.total_norm.tolist() == pytest.approx(logged, rel=1e-5)
+    assert [s for s, _ in data.histograms["transformer.h.0.attn.c_attn"]] == [2, 4]
+
+
+def test_report_to_tensorboard_follows_tensorboard_logging_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    _train(tmp_path, GradtrackCallback(log_every=2, histograms=False), report_to="tensorboard")
+    assert read_tensorboard_dir(tmp_path / "tb").steps.tolist() == [2, 4]
 
 
 def test_a_resumed_run_continues_the_trainers_step_axis(tmp_path: Path) -> None:

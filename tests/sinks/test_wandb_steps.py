@@ -111,10 +111,11 @@ def staleness(loop: Loop, explicit: bool) -> list[int]:
 
 def hand_off_steps(step_s: float, log_every: int) -> int:
     """Steps trained while one batch gathers in gradtrack's worker (``delivery.batch_wait_s``,
-    or ``max_batch_steps`` logged steps), plus 0.1 s for the W&B calls that place it."""
+    or ``max_batch_steps`` logged steps), plus 0.25 s for the W&B calls that place it on a
+    shared 2-core machine (W&B's service process competes with training for the cores)."""
     delivery = DeliveryOptions()
     gather = min(delivery.max_batch_steps * log_every, math.ceil(delivery.batch_wait_s / step_s))
-    return gather + math.ceil(0.1 / step_s)
+    return gather + math.ceil(0.25 / step_s)
 
 
 CADENCES = [1, 10, 100, NEVER]
