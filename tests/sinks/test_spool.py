@@ -7,10 +7,13 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import sqlite3
 import struct
 import subprocess
 import sys
+import textwrap
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -339,3 +342,43 @@ def test_sync_of_something_that_is_no_spool_is_a_clear_error(tmp_path: Path) -> 
     assert "neither a gradtrack spool nor a folder of spools" in result.stderr
     empty = sync_cli(tmp_path)
     assert empty.returncode == 0 and "nothing to sync" in empty.stderr
+
+
+def test_ctrl_c_while_close_waits_keeps_the_spool_and_says_where(
+    tmp_path: Path, spool_in_tmp: Path
+) -> None:
+    """No server on the port: close waits (flush_timeout_s=120) while delivery retries; the
+    user presses Ctrl-C; the interrupt goes through, and the message names the kept spool."""
+    code = textwrap.dedent(
+        f"""
+        import torch, gradtrack
+        model = torch.nn.Linear(4, 1)
+        watcher = gradtrack.watch(
+            model, backend="mlflow", log_every=1, flush_timeout_s=120,
+            mlflow={{"tracking_uri": "http://127.0.0.1:{free_port()}", "retry_max_s": 1}},
+        )
+        for _ in range(20):
+            model(torch.randn(2, 4)).sum().backward()
+        print("closing", flush=True)
+        watcher.close()
+        """
+    )
+    env = {"GRADTRACK_SPOOL_DIR": str(spool_in_tmp), "PYTHONPATH": str(REPO), "PATH": ""}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "closing"
+    time.sleep(3)  # close is waiting on the retries
+    started = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    assert time.monotonic() - started < 30  # the interrupt is not held up by the wait
+    assert "KeyboardInterrupt" in err
+    (kept,) = list(spool_in_tmp.iterdir())
+    assert "interrupted while delivering; 20 item(s)" in err, err[-3000:]
+    assert f"gradtrack sync {kept}" in err
+    db = sqlite3.connect(f"file:{kept / 'spool.db'}?mode=ro", uri=True)
+    assert db.execute("SELECT COUNT(*) FROM items").fetchone() == (20,)
+    db.close()
