@@ -109,6 +109,7 @@ class Stepper:
         if guard is None:
             return False
         plan = self._plan(step, logged, with_samples, guard, micro_batches)
+        self._record_flight(step)
         origin = self._origin_of(plan)
         if self.probes.origin is not None:
             self.probes.origin.forget()  # the step's inputs and output gradient
@@ -198,6 +199,9 @@ class Stepper:
             evidence.rank_norms = rank_norms
             evidence.spike = self.judge.spike_or_unknown(guard, plan.spike)
             evidence.latch = self.judge.take_latch(guard)
+            flight = None if self.signals.flight is None else self.signals.flight.take()
+            if flight is not None:
+                evidence.flight = flight[1]
             parts = self.collector.collect(guard, plan.with_samples, evidence, full=per_layer)
         except Exception as exc:  # watching must never crash training
             self._on_error(plan.step, exc)
@@ -205,8 +209,34 @@ class Stepper:
         if not parts or (ranks is not None and ranks.rank != 0):
             return None  # (sharded: this rank's shard rows went into rank 0's)
         return PendingStep(
-            plan.step, time.time(), parts, backward_order, activation_order, per_layer=per_layer
-        )
+            plan.step, time.time(), parts, backward_order, activation_order, per_layer=per_layer,
+            flight_steps=None if flight is None else flight[0],
+        )  # fmt: skip
+
+    def _record_flight(self, step: int) -> None:
+        """The step's layer norms into the flight recorder's ring (one copy on the device)."""
+        recorder, norms = self.signals.flight, self.judge.layer_norms
+        if recorder is None or norms is None:
+            return
+        try:
+            recorder.record(step, norms)
+        except Exception as exc:  # watching must never crash training
+            self._on_error(step, exc)
+
+    def hand_on_flight(self, outcome: str) -> None:
+        """Training ended in an exception or Ctrl-C: the recorder's last steps go to the
+        worker (one read of the device, at close), which sends their window."""
+        recorder = self.signals.flight
+        if recorder is None or (self.ranks is not None and self.ranks.rank != 0):
+            return
+        try:
+            taken = recorder.take()
+            steps, norms = (None, None) if taken is None else (taken[0], taken[1].cpu().numpy())
+            pending = PendingStep(self.step - 1, time.time(), [], flight_steps=steps,
+                                  flight_norms=norms, ending=outcome)  # fmt: skip
+            self.mailbox.put_step(pending)
+        except Exception as exc:  # watching must never crash training
+            self._on_error(self.step - 1, exc)
 
     def _evaluate_now(
         self, pending: PendingStep | None, plan: StepPlan
