@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -111,3 +111,9 @@ def read_window(text: str) -> FlightWindow:
         first_mover_direction=body.get("first_mover_direction"),
         message=str(body.get("message", "")),
     )
+
+
+def read_windows_dir(files_dir: Path) -> list[FlightWindow]:
+    """Every window file under a run's files (or downloaded artifacts) folder, by step."""
+    paths = sorted((files_dir / FLIGHT_DIR).rglob(f"{WINDOW_PREFIX}*{WINDOW_SUFFIX}"))
+    return [read_window(path.read_text(encoding="utf-8")) for path in paths]
