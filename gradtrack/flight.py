@@ -9,9 +9,13 @@ window when an incident fires, so nothing flows back to this thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor
+
+OnError = Callable[[int, Exception], None]
 
 
 class FlightRecorder:
@@ -40,8 +44,19 @@ class FlightRecorder:
         """Device memory the ring takes: capacity × layers × 4 bytes."""
         return self.capacity * self.n_layers * 4
 
-    def record(self, step: int, norms: Tensor) -> None:
-        """Keep one step's norms (``[1 + layers]``: the total first, as `LayerNorms` gives)."""
+    def record(self, step: int, norms: Tensor | None, on_error: OnError | None = None) -> None:
+        """Keep one step's norms (``[1 + layers]``: the total first, as `LayerNorms` gives;
+        None: the step has none). A failure goes to ``on_error``: training goes on."""
+        if norms is None:
+            return
+        try:
+            self._record(step, norms)
+        except Exception as exc:  # watching must never crash training
+            if on_error is None:
+                raise
+            on_error(step, exc)
+
+    def _record(self, step: int, norms: Tensor) -> None:
         if self._ring is None or self._ring.device != norms.device:
             self._ring = torch.full(
                 (self.capacity, self.n_layers), float("nan"), dtype=torch.float32,
@@ -68,3 +83,8 @@ class FlightRecorder:
             rows = torch.cat([self._ring[start:], self._ring[:end]])
             steps = np.concatenate([self._steps[start:], self._steps[:end]])
         return steps.copy(), rows.to(torch.float64).reshape(-1)
+
+    def take_on_host(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """`take`, read on the host (a wait for the device: for the end of training only)."""
+        taken = self.take()
+        return (None, None) if taken is None else (taken[0], taken[1].cpu().numpy())

@@ -109,7 +109,8 @@ class Stepper:
         if guard is None:
             return False
         plan = self._plan(step, logged, with_samples, guard, micro_batches)
-        self._record_flight(step)
+        if self.signals.flight is not None:  # one copy on the device
+            self.signals.flight.record(step, self.judge.layer_norms, self._on_error)
         origin = self._origin_of(plan)
         if self.probes.origin is not None:
             self.probes.origin.forget()  # the step's inputs and output gradient
@@ -213,28 +214,16 @@ class Stepper:
             flight_steps=None if flight is None else flight[0],
         )  # fmt: skip
 
-    def _record_flight(self, step: int) -> None:
-        """The step's layer norms into the flight recorder's ring (one copy on the device)."""
-        recorder, norms = self.signals.flight, self.judge.layer_norms
-        if recorder is None or norms is None:
-            return
-        try:
-            recorder.record(step, norms)
-        except Exception as exc:  # watching must never crash training
-            self._on_error(step, exc)
-
     def hand_on_flight(self, outcome: str) -> None:
         """Training ended in an exception or Ctrl-C: the recorder's last steps go to the
         worker (one read of the device, at close), which sends their window."""
-        recorder = self.signals.flight
-        if recorder is None or (self.ranks is not None and self.ranks.rank != 0):
+        if self.signals.flight is None or (self.ranks is not None and self.ranks.rank != 0):
             return
         try:
-            taken = recorder.take()
-            steps, norms = (None, None) if taken is None else (taken[0], taken[1].cpu().numpy())
-            pending = PendingStep(self.step - 1, time.time(), [], flight_steps=steps,
-                                  flight_norms=norms, ending=outcome)  # fmt: skip
-            self.mailbox.put_step(pending)
+            steps, norms = self.signals.flight.take_on_host()
+            last = PendingStep(self.step - 1, time.time(), [], ending=outcome)
+            last.flight_steps, last.flight_norms = steps, norms
+            self.mailbox.put_step(last)
         except Exception as exc:  # watching must never crash training
             self._on_error(self.step - 1, exc)
 
