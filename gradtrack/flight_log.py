@@ -102,9 +102,12 @@ class FlightLog:
     def window(self, incident: str, step: int) -> FlightWindow | None:
         """The window of an incident at ``step``: it and the ``steps`` steps before it; steps
         a window sent already are marked ``logged`` (a step's norms go out once). None if an
-        incident of the same kind sent one less than ``steps`` steps before (a run that
-        stays broken would send one per event), or no step is kept."""
-        last = self._last_window.get(incident)
+        incident of the same kind (for the end of training: of any kind) sent one less than
+        ``steps`` steps before (a run that stays broken would send one per event), or no
+        step is kept."""
+        ending = incident in ("FAILED", "KILLED")  # after any incident's window: none more
+        last = max(self._last_window.values(), default=None) if ending else None
+        last = self._last_window.get(incident, last)
         if last is not None and step - last < self.steps:
             return None
         keep = (self._step >= 0) & (self._step <= step) & (self._step >= step - self.steps)
