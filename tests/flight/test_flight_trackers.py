@@ -78,7 +78,7 @@ def test_a_nan_at_an_unlogged_step_leaves_the_256_steps_before_it_in_mlflow_and_
     ) as watcher:  # fmt: skip
         reference = train(model, watcher, optimizer)
         run_id = watcher.sinks[0].run_id  # type: ignore[attr-defined]
-    wandb.teardown()
+    assert wandb.run is None  # gradtrack started the run and finished it at close
     before = range(NAN_AT - K, NAN_AT)
 
     # The NaN's event names the first mover, and the step it began.
@@ -116,3 +116,25 @@ def test_a_nan_at_an_unlogged_step_leaves_the_256_steps_before_it_in_mlflow_and_
             np.testing.assert_allclose(row, expected, rtol=1e-5)
     assert np.isnan(window.norms[-1]).all()
     assert (run_dir / "files" / "gradtrack" / "flight" / f"window-{NAN_AT:09d}.png").exists()
+
+    # The report reads the windows back from both trackers, and for this one run says what
+    # it found: the incidents and their first mover, the first NaN, the weakest layer.
+    from gradtrack.report.mlflow_source import read_mlflow_run
+    from gradtrack.report.render import render_report
+    from gradtrack.report.summary import sentences, summarise, to_json
+    from gradtrack.report.wandb_source import read_wandb_offline
+
+    for run in (read_mlflow_run(run_id, uri), read_wandb_offline(run_dir)):
+        assert NAN_AT in [w.incident_step for w in run.windows]
+        summary = summarise([run])
+        found = sentences(summary)
+        assert any(f"nonfinite at step {NAN_AT}" in line and "conv2's gradient norm began" in line
+                   for line in found), found  # fmt: skip
+        assert any(f"first non-finite gradient at step {NAN_AT}" in line for line in found)
+        assert any("the weakest layer is" in line and "below the strongest" in line
+                   for line in found), found  # fmt: skip
+        assert NAN_AT in [w["step"] for w in to_json(summary)["runs"][0]["flight_windows"]]
+    page = render_report([run], tmp_path / "report").read_text()
+    assert "conv2&#x27;s gradient norm began rising" in page
+    assert f"before the nonfinite at step {NAN_AT} (flight recorder)" in page
+    assert "first differs at step" not in page  # one run: no empty difference columns
