@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gradtrack.report import plots
+from gradtrack.report.compare import LayerDifference
 from gradtrack.report.data import RunData
 from gradtrack.report.divergence import Divergence
-from gradtrack.report.compare import LayerDifference
 from gradtrack.report.summary import Summary, sentences, summarise
 
 if TYPE_CHECKING:

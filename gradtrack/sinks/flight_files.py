@@ -33,9 +33,7 @@ def stage_window(window: FlightWindow, folder: Path, title: str = "") -> list[Pa
     return paths
 
 
-def window_series(
-    window: FlightWindow, model_name: str | None
-) -> list[tuple[str, float, int]]:
+def window_series(window: FlightWindow, model_name: str | None) -> list[tuple[str, float, int]]:
     """``(grad_norm/<layer>, norm, step)`` for every step of the window whose per-layer norms
     did not reach the tracker yet (0 where the layer had no gradient at that step)."""
     prefix = LAYER_KEY_PREFIX["norm"]

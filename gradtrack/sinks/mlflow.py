@@ -272,7 +272,8 @@ class MlflowSink(TrackerSink):
         uploads.extend(Upload(path, folder) for path in staged)
         if window.norms.size > self.config.flight.series_max_values:
             return []
-        return [(key, value, timestamp, step) for key, value, step in window_series(window, self._model)]
+        series = window_series(window, self._model)
+        return [(key, value, timestamp, step) for key, value, step in series]
 
     def _alert(self, event: AlertEvent, uploads: list[Upload]) -> list[Tag]:
         self._pictures.alert(event)

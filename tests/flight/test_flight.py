@@ -22,7 +22,9 @@ from tests.test_no_sync import OpRecorder
 
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
 
 
 def train(
@@ -76,8 +78,8 @@ def test_the_accelerators_path_keeps_k_steps_before_a_latched_nan_without_a_host
 def test_a_skipped_step_sends_its_window() -> None:
     model, sink = mlp(), MemorySink()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with gradtrack.watch(model, backend=sink, optimizer=optimizer,
-                         alerts={"nonfinite": {"action": "skip"}}, flight={"steps": 32}):  # fmt: skip
+    skip, flight = {"nonfinite": {"action": "skip"}}, {"steps": 32}
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, alerts=skip, flight=flight):
         train(model, optimizer, 60, nan_at=45)
     (window,) = windows(sink)
     assert window.incident_step == 45 and window.steps.tolist() == list(range(13, 46))
@@ -94,7 +96,9 @@ def test_a_raise_sends_the_window_once_and_the_exception_that_follows_none() -> 
     assert window.incident == "nonfinite" and window.steps.tolist() == list(range(46))
 
 
-@pytest.mark.parametrize(("error", "outcome"), [(ValueError, "FAILED"), (KeyboardInterrupt, "KILLED")])
+@pytest.mark.parametrize(
+    ("error", "outcome"), [(ValueError, "FAILED"), (KeyboardInterrupt, "KILLED")]
+)
 def test_training_that_ends_in_an_exception_sends_the_steps_before_it(
     error: type[BaseException], outcome: str
 ) -> None:

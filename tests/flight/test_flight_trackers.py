@@ -87,8 +87,10 @@ def test_a_nan_at_an_unlogged_step_leaves_the_256_steps_before_it_in_mlflow_and_
     assert nan_event.first_mover_step is not None
     assert GROWS_FROM - 1 <= nan_event.first_mover_step <= GROWS_FROM + 2
     gap = NAN_AT - nan_event.first_mover_step
-    assert f"conv2's gradient norm began rising at step {nan_event.first_mover_step}, {gap} " \
+    assert (
+        f"conv2's gradient norm began rising at step {nan_event.first_mover_step}, {gap} "
         f"steps before the non-finite gradient at step {NAN_AT}" in nan_event.message
+    )
 
     # MLflow: every layer's norm at each of the K steps before the NaN, as series.
     client = mlflow.MlflowClient(uri)
