@@ -91,7 +91,7 @@ def window_sentence(name: str, window: FlightWindow) -> str:
 
     >>> import numpy as np
     >>> w = FlightWindow("nonfinite", 517, ("a",), np.arange(261, 518), np.ones((257, 1)))
-    >>> window_sentence("run", w)[:60]
+    >>> window_sentence("run", w)[:61]
     "run: nonfinite at step 517, every layer's norm kept for steps"
     """
     steps = f"steps {window.steps[0]}–{window.steps[-1]}" if len(window.steps) else "no step"
