@@ -119,18 +119,16 @@ class FlightLog:
         steps, norms = self._step[order].copy(), self._norms[order].copy()
         logged = self._logged[order] | (steps <= self._sent_until)
         self._sent_until = max(self._sent_until, step)
+        window = FlightWindow(incident, step, self.layers, steps, norms, logged)
         move = first_mover(steps, norms, step)
-        fields: dict[str, object] = {}
-        if move is not None:
-            what = _WHAT.get(incident, f"the {incident} incident")
-            if incident in ("FAILED", "KILLED"):
-                what = "training ended" + (" (interrupted)" if incident == "KILLED" else "")
-            fields = {
-                "first_mover": self.layers[move.layer],
-                "first_mover_step": move.step,
-                "first_mover_direction": move.direction,
-                "message": first_mover_sentence(
-                    self.layers[move.layer], move.step, move.direction, what, step
-                ),
-            }
-        return FlightWindow(incident, step, self.layers, steps, norms, logged, **fields)  # type: ignore[arg-type]
+        if move is None:
+            return window
+        what = _WHAT.get(incident, f"the {incident} incident")
+        if incident in ("FAILED", "KILLED"):
+            what = "training ended" + (" (interrupted)" if incident == "KILLED" else "")
+        layer = self.layers[move.layer]
+        return replace(
+            window, first_mover=layer, first_mover_step=move.step,
+            first_mover_direction=move.direction,
+            message=first_mover_sentence(layer, move.step, move.direction, what, step),
+        )  # fmt: skip
