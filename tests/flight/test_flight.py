@@ -4,6 +4,8 @@ Ctrl-C), once, and the first mover it names."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -75,11 +77,14 @@ def test_the_accelerators_path_keeps_k_steps_before_a_latched_nan_without_a_host
     assert np.isfinite(window.norms[:-1]).all() and np.isnan(window.norms[-1]).all()
 
 
-def test_a_skipped_step_sends_its_window() -> None:
+def test_a_skipped_step_sends_its_window(tmp_path: Path) -> None:
     model, sink = mlp(), MemorySink()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     skip, flight = {"nonfinite": {"action": "skip"}}, {"steps": 32}
-    with gradtrack.watch(model, backend=sink, optimizer=optimizer, alerts=skip, flight=flight):
+    journal = {"journal": tmp_path / "skipped.json"}
+    with gradtrack.watch(
+        model, backend=sink, optimizer=optimizer, alerts=skip, flight=flight, skip=journal
+    ):
         train(model, optimizer, 60, nan_at=45)
     (window,) = windows(sink)
     assert window.incident_step == 45 and window.steps.tolist() == list(range(13, 46))
