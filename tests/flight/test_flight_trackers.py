@@ -140,3 +140,30 @@ def test_a_nan_at_an_unlogged_step_leaves_the_256_steps_before_it_in_mlflow_and_
     assert "conv2&#x27;s gradient norm began rising" in page
     assert f"before the nonfinite at step {NAN_AT} (flight recorder)" in page
     assert "first differs at step" not in page  # one run: no empty difference columns
+
+
+@pytest.mark.parametrize(("bound", "as_series"), [(99, True), (98, False)])
+def test_a_window_past_the_series_bound_goes_to_mlflow_as_its_artifact_only(
+    tmp_path: Path, bound: int, as_series: bool
+) -> None:
+    """32 steps before the NaN and the NaN's: 33 × 3 layers = 99 values."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    flight = {"steps": 32, "series_max_values": bound}
+    with gradtrack.watch(model, backend="mlflow", optimizer=optimizer, flight=flight,
+                         mlflow={"tracking_uri": uri}) as watcher:  # fmt: skip
+        generator = torch.Generator().manual_seed(0)
+        for step in range(50):
+            optimizer.zero_grad()
+            loss = model(torch.randn(4, 3, 8, 8, generator=generator)).pow(2).mean()
+            (loss * float("nan") if step == 45 else loss).backward()
+            optimizer.step()
+    run_id = watcher.sinks[0].run_id  # type: ignore[attr-defined]  # (opened by delivery)
+    client = mlflow.MlflowClient(uri)
+    steps = {m.step for m in client.get_metric_history(run_id, "grad_norm/conv2")}
+    assert (set(range(13, 46)) <= steps) is as_series
+    assert steps >= {0, 45}  # the per-layer steps logged anyway
+    artifacts = [a.path for a in client.list_artifacts(run_id, "gradtrack/flight")]
+    assert "gradtrack/flight/window-000000045.json" in artifacts
