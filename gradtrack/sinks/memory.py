@@ -12,6 +12,7 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.histogram import Histogram
 from gradtrack.record import StepRecord
+from gradtrack.sinks.flight_files import window_series
 
 
 class MemorySink:
@@ -47,13 +48,22 @@ class MemorySink:
         self.closed = True
 
     def scalars(self) -> dict[str, list[tuple[int, float]]]:
-        """``{key: [(step, value), ...]}`` in step order."""
+        """``{key: [(step, value), ...]}`` in step order: what MLflow holds, the flight
+        recorder's windows' ``grad_norm/<layer>`` steps included."""
         series: dict[str, list[tuple[int, float]]] = {}
         with self._lock:
             records = list(self.records)
+        windows = False
         for record in records:
             for key, value in scalar_metrics(record).items():
                 series.setdefault(key, []).append((record.step, value))
+            if record.flight is not None:
+                windows = True
+                for key, value, step in window_series(record.flight, record.model_name):
+                    series.setdefault(key, []).append((step, value))
+        if windows:
+            for values in series.values():
+                values.sort(key=lambda entry: entry[0])
         return series
 
     def histograms(self) -> dict[str, list[tuple[int, Histogram]]]:
