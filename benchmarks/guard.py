@@ -15,6 +15,11 @@ the machine's noise falls on every variant alike, the median time of:
   without max/mean |g|; and a per-layer step (with them);
 - guard+spike: the guard with the every-step spike statistics (`gradtrack.spike`: layer norms
   from the guard's, the window's z-scores), as default watching runs it at every step;
+- guard+spike+flight: that and the flight recorder (`gradtrack.flight`): the step's layer
+  norms copied into the ring, and every 10th step (``log_every``) the steps since the last
+  hand-off taken for the logged step's copy; "flight alone" times the recorder by itself on
+  the layer norms the spike rule computes anyway, also as a share of one backward (the
+  median of 5), and the ring's memory (K × layers × 4 bytes) in KiB;
 - guard+skip: that, read on the host and judged by the skip rules (`gradtrack.skip`), as
   every step runs with ``action="skip"``;
 - update signals: what ``update_signals=True`` adds to a logged step (`gradtrack.updates`:
@@ -38,6 +43,7 @@ import torch
 
 import gradtrack
 from benchmarks.models import MODELS
+from gradtrack.flight import FlightRecorder
 from gradtrack.sinks import MemorySink
 from gradtrack.skip import SkipPolicy
 from gradtrack.spike import LayerNorms, NormWindow, on_host, spike_fields
@@ -51,9 +57,12 @@ def measure(name: str, reps: int) -> dict[str, float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     watcher = gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer)
     collector = watcher.collector
-    start = time.perf_counter()
-    loss_fn().backward()
-    step_s = time.perf_counter() - start
+    backward_s = []
+    for _ in range(5):  # the median of 5: the first backward of a process is slower
+        start = time.perf_counter()
+        loss_fn().backward()
+        backward_s.append(time.perf_counter() - start)
+    step_s = statistics.median(backward_s)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
 
     def floor() -> None:
@@ -82,6 +91,27 @@ def measure(name: str, reps: int) -> dict[str, float]:
         checked.finite()
         spikes.update(layer_norms(checked), host=on_host(checked))
 
+    ring = FlightRecorder(256, len(names))
+    counter = [0]
+
+    def guard_spike_flight() -> None:
+        checked = collector.guard(exact=False)
+        checked.finite()
+        norms = layer_norms(checked)
+        spikes.update(norms, host=on_host(checked))
+        ring.record(counter[0], norms)
+        counter[0] += 1
+        if counter[0] % 10 == 0:
+            ring.take()
+
+    step_norms = layer_norms(collector.guard(exact=False))
+
+    def flight() -> None:  # the recorder alone, on the norms the spike rule has already
+        ring.record(counter[0], step_norms)
+        counter[0] += 1
+        if counter[0] % 10 == 0:
+            ring.take()
+
     def guard_skip() -> None:
         checked = collector.guard(exact=False)
         norms = layer_norms(checked)
@@ -103,7 +133,8 @@ def measure(name: str, reps: int) -> dict[str, float]:
 
     variants: dict[str, Callable[[], None]] = {
         "floor": floor, "guard": guard, "exact_guard": exact_guard, "logged": logged,
-        "per_layer": per_layer, "guard_spike": guard_spike, "guard_skip": guard_skip,
+        "per_layer": per_layer, "guard_spike": guard_spike,
+        "guard_spike_flight": guard_spike_flight, "flight": flight, "guard_skip": guard_skip,
         "update_signals": update_signals, "sampled_updates": sampled_updates,
     }  # fmt: skip
     times: dict[str, list[float]] = {key: [] for key in variants}
@@ -118,6 +149,8 @@ def measure(name: str, reps: int) -> dict[str, float]:
     result["backward"] = step_s * 1e3
     result["snapshot_mib"] = sum(p.numel() * p.element_size() for p in collector.params) / 2**20
     result["sample_mib"] = sampled.sample_bytes / 2**20
+    result["flight_kib"] = ring.nbytes / 2**10
+    result["flight_share"] = result["flight"] / result["backward"]
     return result
 
 
@@ -131,12 +164,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms (÷ floor)")
     print(
         "model | one backward | floor | guard | exact guard | logged step | per-layer step | "
-        "guard+spike | guard+skip | update signals | their buffer (MiB) | sampled updates | "
-        "their samples (MiB)"
+        "guard+spike | guard+spike+flight | flight alone | flight ÷ backward | ring (KiB) | "
+        "guard+skip | "
+        "update signals | their buffer (MiB) | sampled updates | their samples (MiB)"
     )
     variants = (
-        "guard", "exact_guard", "logged", "per_layer", "guard_spike", "guard_skip",
-        "update_signals", "sampled_updates",
+        "guard", "exact_guard", "logged", "per_layer", "guard_spike", "guard_spike_flight",
+        "flight", "guard_skip", "update_signals", "sampled_updates",
     )  # fmt: skip
     for name in args.models:
         r = measure(name, args.reps)
@@ -145,7 +179,10 @@ def main() -> None:
             name,
             f"{r['backward']:.1f}",
             f"{r['floor']:.3f}",
-            *cells[:-1],
+            *cells[:7],
+            f"{100 * r['flight_share']:.3f} %",
+            f"{r['flight_kib']:.0f}",
+            *cells[7:-1],
             f"{r['snapshot_mib']:.1f}",
             cells[-1],
             f"{r['sample_mib']:.2f}",

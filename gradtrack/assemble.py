@@ -20,6 +20,7 @@ from gradtrack.config import GradtrackConfig
 from gradtrack.distributed import RankGroup, rank_layer_norms
 from gradtrack.drops import DropCount
 from gradtrack.evidence import HostEvidence
+from gradtrack.flight_log import FlightLog
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.latch import latched_step
 from gradtrack.log import report
@@ -52,6 +53,12 @@ class PendingStep:
     # The rule whose action "skip" left this step's optimizer step out; skips so far.
     skipped_by: str | None = None
     skipped_steps: int = 0
+    # The flight recorder's steps since its last hand-off (their norms ride in the evidence,
+    # or in ``flight_norms`` for ``ending``: training ended in an exception or Ctrl-C, a
+    # step with no parts that only hands the recorder's last steps on).
+    flight_steps: np.ndarray | None = None
+    flight_norms: np.ndarray | None = None
+    ending: str | None = None
 
 
 @dataclass
@@ -91,8 +98,15 @@ class Assembler:
         self._gather_ranks = config.distributed.gather_ranks
         self._mesh = mesh
         self._layer_position = {name: i for i, name in enumerate(index.layer_names)}
+        self.flight: FlightLog | None = None
+        if config.flight.enabled:
+            action = lambda rule, layer: alert_engine.rule(rule, layer).action  # noqa: E731
+            slack = config.log_every
+            self.flight = FlightLog(index.layer_names, config.flight.steps, slack, action)
 
     def assemble(self, pending: PendingStep) -> AssembledStep:
+        if pending.ending is not None:
+            return AssembledStep(self._part("flight window", lambda: self._ending(pending), []), [])
         if pending.backward_order is not None:
             names = self._index.layer_names
             self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
@@ -107,7 +121,43 @@ class Assembler:
                 if found or record.nan_count or record.inf_count or not record.counted:
                     records[i] = self._first_bad_in_full(record)
                 events += found
-        return AssembledStep([r for r in records if r is not None], events)
+        kept = [r for r in records if r is not None]
+        return AssembledStep(*self._part("flight window", lambda: self._flight(
+            pending, evidence, kept, events), (kept, events)))  # fmt: skip
+
+    def _flight(
+        self,
+        pending: PendingStep,
+        evidence: HostEvidence,
+        records: list[StepRecord],
+        events: list[AlertEvent],
+    ) -> tuple[list[StepRecord], list[AlertEvent]]:
+        """The recorder's steps kept; at an incident, its window on its record."""
+        if self.flight is None:
+            return records, events
+        self.flight.add(pending.flight_steps, evidence.flight)
+        return self.flight.annotate(records, events)
+
+    def _ending(self, pending: PendingStep) -> list[StepRecord]:
+        """Training ended in an exception (or Ctrl-C): the window before its last step."""
+        if self.flight is None or pending.ending is None:
+            return []
+        if pending.flight_norms is not None:
+            self.flight.add(pending.flight_steps, pending.flight_norms)
+        window = self.flight.window(pending.ending, pending.step)
+        if window is None:
+            return []
+        if window.message:
+            report(f"gradtrack: training ended ({pending.ending}) at step {pending.step}; "
+                   f"{window.message}")  # fmt: skip
+        return [
+            StepRecord(
+                step=pending.step, wall_time=pending.wall_time, layers=(),
+                stats=np.zeros((0, TENSOR_COLUMNS + 2)), total_norm=float("nan"),
+                model_name=self._model_name, layer_detail="none", counted=False,
+                flight=window, window_only=True,
+            )
+        ]  # fmt: skip
 
     def _evaluate(self, record: StepRecord) -> list[AlertEvent]:
         no_events: list[AlertEvent] = []

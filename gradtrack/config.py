@@ -169,6 +169,25 @@ class TensorboardOptions(BaseModel):
     )
 
 
+class FlightOptions(BaseModel):
+    """The flight recorder (docs/flight.md): every layer's gradient norm at each of the last
+    ``steps`` steps, kept on the training device and sent once when an incident fires."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        True, description="Keep the last steps' per-layer norms and send them at an incident."
+    )
+    steps: PositiveInt = Field(
+        256, description="Steps the window holds before an incident (K; K x layers x 4 bytes)."
+    )
+    series_max_values: PositiveInt = Field(
+        200_000,
+        description="MLflow: a window of more values (steps x layers) is sent as its artifact "
+        "only, not also as grad_norm/<layer> series (MLflow stores each value as a row).",
+    )
+
+
 class DistributedOptions(BaseModel):
     """How gradtrack behaves under torch.distributed (detected; nothing to switch on)."""
 
@@ -406,6 +425,9 @@ class GradtrackConfig(BaseModel):
     )
     distributed: DistributedOptions = Field(
         default_factory=DistributedOptions, description="torch.distributed options."
+    )
+    flight: FlightOptions = Field(
+        default_factory=FlightOptions, description="Flight recorder options."
     )
 
     @model_validator(mode="before")

@@ -26,8 +26,9 @@ class StepEvidence:
     the GradScaler's found-inf count, scale and next scale (`ScalerTap`). Vectors: the
     activation-gradient norms (one per watched module, None where none arrived), every
     replicated rank's local tensor norms (``rank_norms``), every sharded rank's output flags
-    (``rank_flags``, see `gradtrack.mesh`), the step's spike vector (`gradtrack.spike`) and
-    the latched bad step (`gradtrack.latch`).
+    (``rank_flags``, see `gradtrack.mesh`), the step's spike vector (`gradtrack.spike`),
+    the latched bad step (`gradtrack.latch`) and the flight recorder's steps since the last
+    hand-off (``flight``, `gradtrack.flight`: their layer norms, flat).
     """
 
     output_finite: Tensor | None = None
@@ -40,12 +41,13 @@ class StepEvidence:
     rank_flags: Tensor | None = None
     spike: Tensor | None = None
     latch: Tensor | None = None
+    flight: Tensor | None = None
 
     def pieces(self) -> list[tuple[str, Tensor | None]]:
         """(name, tensor) in travelling order; a name repeats for each activation norm."""
         pieces: list[tuple[str, Tensor | None]] = [(name, getattr(self, name)) for name in SCALARS]
         pieces += [("activation_norms", norm) for norm in self.activation_norms]
-        for name in ("rank_norms", "rank_flags", "spike", "latch"):
+        for name in ("rank_norms", "rank_flags", "spike", "latch", "flight"):
             if getattr(self, name) is not None:
                 pieces.append((name, getattr(self, name)))
         return pieces
@@ -91,6 +93,7 @@ class HostEvidence:
     rank_flags: np.ndarray
     spike: np.ndarray
     latch: np.ndarray
+    flight: np.ndarray
 
     @classmethod
     def empty(cls) -> HostEvidence:

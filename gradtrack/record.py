@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from gradtrack.formats.flight import FlightWindow
 from gradtrack.formats.keys import LAYER_KEY_PREFIX
 from gradtrack.histogram import Histogram
 
@@ -102,6 +103,11 @@ class StepRecord:
     # skipped so far (written as grad/skipped once non-zero).
     skipped_by: str | None = None
     skipped_steps: int = 0
+    # The flight recorder's window, on the step whose incident sent it (`gradtrack.flight_log`);
+    # ``window_only``: a record that carries nothing else (training ended in an exception
+    # after its last step was handed on): sinks write no step metrics for it.
+    flight: FlightWindow | None = None
+    window_only: bool = False
 
     @property
     def per_layer(self) -> bool:

@@ -10,6 +10,7 @@ from gradtrack.alerts import AlertEngine
 from gradtrack.collect import Collector
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
+from gradtrack.flight import FlightRecorder
 from gradtrack.skip import Journal, SkipPolicy
 from gradtrack.spike import LayerNorms, NormWindow
 from gradtrack.update_sample import SampledUpdateProbe
@@ -21,7 +22,8 @@ class Signals:
     spikes: NormWindow | None = None  # every step's spike statistics
     skips: SkipPolicy | None = None  # the rules whose action is "skip"
     journal: Journal | None = None  # the skipped steps, on disk
-    layer_norms: LayerNorms | None = None  # every step's layer norms (for the two above)
+    layer_norms: LayerNorms | None = None  # every step's layer norms (for these three)
+    flight: FlightRecorder | None = None  # the last steps' layer norms, on the device
     updates: UpdateProbe | SampledUpdateProbe | None = None  # each logged step's ‖ΔW‖, ‖W‖
     # Why the default (sampled) update signals are off, said once when watching starts.
     missing: str | None = None
@@ -63,7 +65,9 @@ def build_signals(
     if skip_rules:
         signals.skips = SkipPolicy(engine, layer_names, config.skip.max_consecutive)
         signals.journal = Journal(config.skip.journal)
-    if signals.spikes is not None or signals.skips is not None:
+    if config.flight.enabled and guard_every_step:
+        signals.flight = FlightRecorder(config.flight.steps, len(layer_names))
+    if signals.spikes is not None or signals.skips is not None or signals.flight is not None:
         signals.layer_norms = LayerNorms(collector.index.tensor_layer, len(layer_names))
     if exact:
         signals.updates = UpdateProbe(collector.params)

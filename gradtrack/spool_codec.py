@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from gradtrack.alerts import AlertEvent
+from gradtrack.formats.flight import FlightWindow
 from gradtrack.histogram import Histogram
 from gradtrack.record import StepRecord
 
@@ -27,6 +28,7 @@ _HEADER = struct.Struct("<I")
 _DTYPES = frozenset({"<f8", "<f4", "<f2", "<i8", "<i4", "<u1", "|b1", "|u1"})
 _RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(StepRecord))
 _HISTOGRAM_FIELDS = frozenset(field.name for field in dataclasses.fields(Histogram))
+_WINDOW_FIELDS = frozenset(field.name for field in dataclasses.fields(FlightWindow))
 
 
 class CodecError(ValueError):
@@ -54,6 +56,11 @@ def encode(payload: Payload) -> bytes:
             }
             for layer, h in payload.histograms.items()
         }
+        if payload.flight is not None:
+            fields["flight"] = {
+                field.name: getattr(payload.flight, field.name)
+                for field in dataclasses.fields(FlightWindow)
+            }
         header = {"kind": "record", "fields": _to_json(fields, arrays)}
     header["arrays"] = [[a.dtype.str, list(a.shape), a.nbytes] for a in arrays]
     text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
@@ -77,6 +84,8 @@ def decode(data: bytes) -> Payload:
         fields["histograms"] = {
             layer: _histogram(value) for layer, value in fields.get("histograms", {}).items()
         }
+        if fields.get("flight") is not None:
+            fields["flight"] = _window(fields["flight"])
         for name in ("layers", "layer_metrics", "nonfinite_ranks", "nonfinite_rank_places"):
             if isinstance(fields.get(name), list):
                 fields[name] = tuple(fields[name])
@@ -93,6 +102,12 @@ def _histogram(value: Any) -> Histogram:
     if not isinstance(value, dict) or set(value) - _HISTOGRAM_FIELDS:
         raise CodecError("a histogram with unknown fields")
     return Histogram(**value)
+
+
+def _window(value: Any) -> FlightWindow:
+    if not isinstance(value, dict) or set(value) - _WINDOW_FIELDS:
+        raise CodecError("a flight window with unknown fields")
+    return FlightWindow(**{**value, "layers": tuple(value["layers"])})
 
 
 def _to_json(value: Any, arrays: list[np.ndarray]) -> Any:

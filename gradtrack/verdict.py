@@ -55,6 +55,8 @@ class StepJudge:
         self.reads_host: bool | None = None
         self.latch: BadStepLatch | None = None
         self._on_error = on_error
+        # The last judged step's total and layer norms (`LayerNorms`), on the device.
+        self.layer_norms: torch.Tensor | None = None
 
     def guard(self, step: int, exact: bool) -> Guard | None:
         """Each gradient's L2 norm, in one batched pass on its device (exact where the step
@@ -68,6 +70,7 @@ class StepJudge:
     def judge(self, guard: Guard, step: int) -> tuple[Verdict, torch.Tensor | None]:
         """The step's verdict (`UNKNOWN` where it was latched instead) and spike vector."""
         norms, spike = self._signals(guard, step)
+        self.layer_norms = norms
         verdict = self._verdict(guard, norms, spike)
         if verdict is None:
             self._latch(guard, step, spike)

@@ -110,6 +110,15 @@ def test_ddp_nan_on_one_rank_is_named_in_the_alert(tmp_path: Path) -> None:
     assert events[0].ranks == (1,)
     assert "rank(s) 1 only" in events[0].message
     assert rank1["events"] == []  # rank 0 alerts; the others only report to it
+    # The flight recorder kept the all-reduced norms the guard judged, every step's: at the
+    # logged steps they equal rank 0's records of the synchronized gradient.
+    (window,) = [r.flight for r in rank0["records"] if r.flight is not None]
+    assert window.steps.tolist() == list(range(workers.STEPS))
+    assert np.isnan(window.norms[-1]).all()
+    for record in rank0["records"][:-1]:
+        row = window.norms[window.steps.tolist().index(record.step)]
+        logged = dict(zip(record.layers, record.column("norm").tolist()))
+        np.testing.assert_allclose(row, [logged[layer] for layer in window.layers], rtol=1e-6)
 
 
 @pytest.mark.parametrize(("layout", "bad_rank"), [("ddp", 1), ("fsdp2", 0)])

@@ -45,6 +45,10 @@ class AlertEvent(BaseModel):
     # Within its rule's cooldown: not notified (sinks, logs, callbacks never see it), made
     # only so that a rule whose action is "raise" raises every time.
     silenced: bool = False
+    # An incident's first mover (`gradtrack.first_mover`): the layer whose gradient norm left
+    # its own range first in the flight recorder's window, and the step its move began.
+    first_mover: str | None = None
+    first_mover_step: int | None = None
 
     @property
     def title(self) -> str:

@@ -32,6 +32,8 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
     >>> sorted(scalar_metrics(StepRecord(0, 0.0, ("fc",), stats, 5.0, layer_detail="none")))[-1]
     'grad/total_norm'
     """
+    if record.window_only:
+        return {}
     model = record.model_name
     metrics = {metric_key("grad", "total_norm", model): record.total_norm}
     if record.counted:

@@ -14,6 +14,7 @@ from typing import Any
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.extras import require_module
+from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow, is_window, read_window
 from gradtrack.formats.histogram_store import read_chunks
 from gradtrack.formats.keys import safe_key
 
@@ -100,3 +101,24 @@ def read_alerts(
             fresh = [AlertEvent.model_validate(json.loads(line)) for line in lines if line]
             events += [event for event in fresh if event.model_dump_json() not in seen]
     return sorted(events, key=lambda event: event.step)
+
+
+def read_windows(
+    run_id: str, tracking_uri: str | None = None, model_name: str | None = None
+) -> list[FlightWindow]:
+    """The flight recorder's windows stored in an MLflow run, by incident step."""
+    require_module("mlflow", "mlflow")
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    folder = artifact_path(FLIGHT_DIR.as_posix(), model_name)
+    client = MlflowClient(tracking_uri)
+    paths = sorted(f.path for f in client.list_artifacts(run_id, folder) if is_window(f.path))
+    windows = []
+    with tempfile.TemporaryDirectory() as directory:
+        for path in paths:
+            local = download_artifacts(
+                run_id=run_id, artifact_path=path, dst_path=directory, tracking_uri=tracking_uri
+            )
+            windows.append(read_window(Path(local).read_text(encoding="utf-8")))
+    return windows

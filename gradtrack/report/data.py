@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from gradtrack.errors import GradtrackError
+from gradtrack.formats.flight import FlightWindow
 from gradtrack.formats.keys import LAYER_KEY_PREFIX, NONFINITE_KEY_PREFIX, TOTAL_NORM_KEY
 from gradtrack.histogram import Histogram
 
@@ -61,6 +62,8 @@ class RunData:
     total_nonfinite: np.ndarray | None = None
     total_logged: np.ndarray | None = None  # per step: grad/total_norm was logged
     run_id: str = ""
+    # The flight recorder's windows the run holds (`gradtrack.formats.flight`), by step.
+    windows: list[FlightWindow] = field(default_factory=list)
 
     @property
     def norms(self) -> np.ndarray:

@@ -10,7 +10,7 @@ from typing import Any
 
 from gradtrack.errors import GradtrackError
 from gradtrack.extras import require_module
-from gradtrack.formats.mlflow import LAYERS_FILE, read_alerts, read_histograms
+from gradtrack.formats.mlflow import LAYERS_FILE, read_alerts, read_histograms, read_windows
 from gradtrack.report.data import LAYER_FAMILIES, Alert, Progress, RunData, from_series
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -45,7 +45,7 @@ def read_mlflow_run(
         Alert(e.step, e.rule, e.severity, e.message, e.layer, e.origin_layer)
         for e in read_alerts(run_id, tracking_uri)
     ]
-    return from_series(
+    data = from_series(
         name=run.info.run_name or run_id,
         source=f"MLflow run {run_id} ({client.tracking_uri})",
         series=series,
@@ -54,6 +54,8 @@ def read_mlflow_run(
         alerts=alerts,
         run_id=run_id,
     )
+    data.windows = read_windows(run_id, tracking_uri)
+    return data
 
 
 def _by_name(client: Any, spec: str, where: str) -> Any:

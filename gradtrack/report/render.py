@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gradtrack.report import plots
+from gradtrack.report.compare import LayerDifference
 from gradtrack.report.data import RunData
 from gradtrack.report.divergence import Divergence
 from gradtrack.report.summary import Summary, sentences, summarise
@@ -29,12 +30,16 @@ def render_report(
     if hist_layers is None:
         hist_layers = _default_hist_layers(runs)
     figures = _figures(runs, hist_layers, summary.divergence_from_first())
+    figures += _window_figures(runs)
     sections = [_section(name, title, figure, out_dir) for name, title, figure in figures]
     page = _PAGE.format(
         title=html.escape(" vs ".join(run.name for run in runs)),
         findings="".join(f"<li>{html.escape(line)}</li>" for line in sentences(summary)),
         runs=_runs_table(runs),
         ranking=_ranking_table(summary),
+        ranking_title="Layers whose gradient flow differs most"
+        if len(runs) > 1
+        else "Layers, weakest gradient flow first",
         rtol=summary.rtol,
         sections="\n".join(sections),
         alerts=_alerts_table(runs),
@@ -83,6 +88,22 @@ def _figures(
     return figures
 
 
+def _window_figures(runs: list[RunData], most: int = 6) -> list[tuple[str, str, Figure]]:
+    """The flight recorder's windows: each run's first ``most``, its first mover named."""
+    from gradtrack.report.flight import window_figure
+
+    figures = []
+    for i, run in enumerate(runs):
+        for window in run.windows[:most]:
+            title = (
+                f"{run.name}: every layer's norm before the {window.incident} at step "
+                f"{window.incident_step} (flight recorder)"
+            )
+            name = f"flight_{i}_{window.incident_step}"
+            figures.append((name, title, window_figure(window, title)))
+    return figures
+
+
 def _section(name: str, title: str, figure: Figure, out_dir: Path) -> str:
     """Write the figure's PNG into ``out_dir``; its section of the page, the PNG embedded."""
     buffer = io.BytesIO()
@@ -108,6 +129,8 @@ def _runs_table(runs: list[RunData]) -> str:
 
 def _ranking_table(summary: Summary, limit: int = 25) -> str:
     runs, ranked = summary.runs, summary.ranking[:limit]
+    if len(runs) == 1:
+        return _layers_table(ranked)
     head = "".join(f"<th>mean log10 norm: {html.escape(r.name)}</th>" for r in runs)
     what = "spread between runs" if len(runs) > 1 else "below the strongest layer"
     rows = "".join(
@@ -120,6 +143,21 @@ def _ranking_table(summary: Summary, limit: int = 25) -> str:
     return (
         "<table class=rank><tr><th>#</th><th>layer</th><th>strongest difference</th>"
         f"<th>first differs at step</th>{head}<th>{what} (decades)</th></tr>{rows}</table>"
+    )
+
+
+def _layers_table(ranked: list[LayerDifference]) -> str:
+    """One run: its layers, weakest first, and how far below the strongest each sits."""
+    rows = "".join(
+        f"<tr><td>{i + 1}</td><td>{html.escape(d.layer)}</td>"
+        f"<td>{ {'nonfinite': 'NaN/Inf', 'zero': 'exactly 0'}.get(d.kind or '', '') }</td>"
+        + "".join(f"<td>{m:.2f}</td>" for m in d.mean_log10_norm)
+        + f"<td>{d.spread:.2f}</td></tr>"
+        for i, d in enumerate(ranked)
+    )
+    return (
+        "<table class=rank><tr><th>#</th><th>layer</th><th>NaN/Inf or zero</th>"
+        f"<th>mean log10 norm</th><th>below the strongest layer (decades)</th></tr>{rows}</table>"
     )
 
 
@@ -162,7 +200,7 @@ th {{ background: #f3f3f3; }} img {{ max-width: 100%; }}
 (0: exact); NaN, Inf and exact zero differ from any other value. In the pictures NaN/Inf are
 red ×, exact zero a ▽ at the bottom edge (white in heatmaps), and not logged is grey.</p>
 {runs}
-<h2>Layers whose gradient flow differs most</h2>
+<h2>{ranking_title}</h2>
 {ranking}
 {sections}
 <h2>Alerts</h2>

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Any
 
+from gradtrack.formats.flight import FlightWindow
 from gradtrack.report.compare import LayerDifference, rank_layers
 from gradtrack.report.data import RunData
 from gradtrack.report.divergence import DEFAULT_RTOL, Divergence, first_divergence
@@ -68,16 +69,52 @@ def to_json(summary: Summary, top: int | None = None) -> dict[str, Any]:
 
 
 def sentences(summary: Summary) -> list[str]:
-    """The summary in words, one sentence per finding: non-finite runs, then pairs."""
+    """The summary in words, one sentence per finding: each run's incidents (the flight
+    recorder's windows, with their first movers) and first non-finite step; for one run its
+    weakest layer, for several the pairs."""
     lines = []
     for run in summary.runs:
+        lines += [window_sentence(run.name, window) for window in run.windows]
         found = run.first_nonfinite()
         if found is not None:
             where = f" (first in {found[1]})" if found[1] else ""
             lines.append(f"{run.name}: first non-finite gradient at step {found[0]}{where}.")
+    if len(summary.runs) == 1:
+        lines += _weakest_text(summary)
     for i, j, d in summary.pairs:
         lines.append(_pair_text(summary.runs[i], summary.runs[j], d))
     return lines
+
+
+def window_sentence(name: str, window: FlightWindow) -> str:
+    """One incident the flight recorder kept, and its first mover.
+
+    >>> import numpy as np
+    >>> w = FlightWindow("nonfinite", 517, ("a",), np.arange(261, 518), np.ones((257, 1)))
+    >>> window_sentence("run", w)[:61]
+    "run: nonfinite at step 517, every layer's norm kept for steps"
+    """
+    steps = f"steps {window.steps[0]}–{window.steps[-1]}" if len(window.steps) else "no step"
+    mover = window.message or "no layer left its range before it."
+    return (
+        f"{name}: {window.incident} at step {window.incident_step}, every layer's norm kept for "
+        f"{steps}; {mover}"
+    )
+
+
+def _weakest_text(summary: Summary) -> list[str]:
+    """One run: its weakest layer, and how far below the strongest it sits on average."""
+    run = summary.runs[0]
+    finite = [d for d in summary.ranking if math.isfinite(d.spread) and d.mean_log10_norm]
+    if len(finite) < 2:
+        return []
+    weakest = max(finite, key=lambda d: d.spread)
+    strongest = min(finite, key=lambda d: d.spread)
+    return [
+        f"{run.name}: the weakest layer is {weakest.layer}, {weakest.spread:.1f} decades "
+        f"(×{10**weakest.spread:.3g}) below the strongest, {strongest.layer} (mean log10 "
+        "gradient norm over the steps that logged every layer)."
+    ]
 
 
 def _pair_text(a: RunData, b: RunData, divergence: Divergence | None) -> str:
@@ -106,6 +143,16 @@ def _run_json(run: RunData) -> dict[str, Any]:
         "layers": len(run.layers),
         "first_nonfinite": None if found is None else found[0],
         "first_nonfinite_layer": None if found is None else found[1],
+        "flight_windows": [
+            {
+                "incident": w.incident,
+                "step": w.incident_step,
+                "steps": [int(w.steps[0]), int(w.steps[-1])] if len(w.steps) else None,
+                "first_mover": w.first_mover,
+                "first_mover_step": w.first_mover_step,
+            }
+            for w in run.windows
+        ],
         "alerts": {
             "total": len(run.alerts),
             "by_rule": dict(Counter(a.rule for a in run.alerts)),

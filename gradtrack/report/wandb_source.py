@@ -20,6 +20,7 @@ import numpy as np
 
 from gradtrack.errors import GradtrackError
 from gradtrack.extras import require_module
+from gradtrack.formats.flight import is_window, read_windows_dir
 from gradtrack.formats.keys import FAMILIES
 from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY
 from gradtrack.formats.wandb_steps import HistogramSeries, Series, is_part, read_dir
@@ -101,7 +102,9 @@ def read_wandb_offline(path: Path, progress: Progress | None = None) -> RunData:
             progress(f"reading {run_file.name}", len(rows), 0)
     source = f"W&B offline run {run_file.parent}"
     files = read_dir(run_file.parent / "files")
-    return _to_run(name, source, rows, layer_order, alerts, run_id, files)
+    data = _to_run(name, source, rows, layer_order, alerts, run_id, files)
+    data.windows = read_windows_dir(run_file.parent / "files")
+    return data
 
 
 def read_wandb_api(path: str, progress: Progress | None = None) -> RunData:
@@ -115,13 +118,16 @@ def read_wandb_api(path: str, progress: Progress | None = None) -> RunData:
         raise GradtrackError(f"no W&B run {path!r}: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="gradtrack-wandb-") as directory:
         for file in run.files():
-            if is_part(file.name):
+            if is_part(file.name) or is_window(file.name):
                 file.download(root=directory, replace=True)
         files = read_dir(Path(directory))
+        windows = read_windows_dir(Path(directory))
     rows = [] if files is not None else list(run.scan_history())
     order = list(run.config.get(LAYERS_CONFIG_KEY, []))
     name = str(run.name or path)
-    return _to_run(name, f"W&B run {path}", rows, order, [], str(run.id), files)
+    data = _to_run(name, f"W&B run {path}", rows, order, [], str(run.id), files)
+    data.windows = windows
+    return data
 
 
 def _key(item: Any) -> str:

@@ -57,6 +57,8 @@ class ConsoleSink:
 
     def write(self, batch: Sequence[StepRecord]) -> None:
         for record in batch:
+            if record.window_only:  # a flight window only: no step to print
+                continue
             self._latest, self._printed_latest = record, False
             first_bad = (record.nan_count or record.inf_count) and not self._shown_nonfinite
             if first_bad or time.monotonic() - self._last_print >= self.interval_s:

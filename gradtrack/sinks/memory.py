@@ -12,6 +12,7 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.histogram import Histogram
 from gradtrack.record import StepRecord
+from gradtrack.sinks.flight_files import window_series
 
 
 class MemorySink:
@@ -46,14 +47,24 @@ class MemorySink:
     def close(self) -> None:
         self.closed = True
 
-    def scalars(self) -> dict[str, list[tuple[int, float]]]:
-        """``{key: [(step, value), ...]}`` in step order."""
+    def scalars(self, windows: bool = False) -> dict[str, list[tuple[int, float]]]:
+        """``{key: [(step, value), ...]}`` in step order; with ``windows``, the flight
+        recorder's windows' ``grad_norm/<layer>`` steps too (what MLflow holds; a W&B run's
+        step files hold the steps without them)."""
         series: dict[str, list[tuple[int, float]]] = {}
         with self._lock:
             records = list(self.records)
+        sort = False
         for record in records:
             for key, value in scalar_metrics(record).items():
                 series.setdefault(key, []).append((record.step, value))
+            if windows and record.flight is not None:
+                sort = True
+                for key, value, step in window_series(record.flight, record.model_name):
+                    series.setdefault(key, []).append((step, value))
+        if sort:
+            for values in series.values():
+                values.sort(key=lambda entry: entry[0])
         return series
 
     def histograms(self) -> dict[str, list[tuple[int, Histogram]]]:

@@ -26,6 +26,7 @@ from typing import Any
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.extras import require_module
+from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
 from gradtrack.formats.histogram_store import write_chunk
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics
@@ -42,6 +43,7 @@ from gradtrack.log import warn
 from gradtrack.record import StepRecord
 from gradtrack.redact import redact
 from gradtrack.sinks.base import TrackerSink
+from gradtrack.sinks.flight_files import stage_window, window_series
 from gradtrack.sinks.mlflow_auth import refusal_message
 from gradtrack.sinks.mlflow_requests import LogBatch, Metric, Request, Tag, Upload, pack
 from gradtrack.sinks.mlflow_run import MlflowRun, portable_uri
@@ -257,7 +259,21 @@ class MlflowSink(TrackerSink):
             self._reported_dropped = record.dropped_steps
             values[dropped_key] = float(record.dropped_steps)
         timestamp = int(record.wall_time * 1000)
-        return [(key, value, timestamp, record.step) for key, value in values.items()], tags
+        metrics = [(key, value, timestamp, record.step) for key, value in values.items()]
+        if record.flight is not None:
+            metrics += self._flight(record.flight, timestamp, uploads)
+        return metrics, tags
+
+    def _flight(self, window: FlightWindow, timestamp: int, uploads: list[Upload]) -> list[Metric]:
+        """The window's file and picture as artifacts; its steps as series unless too many
+        values for MLflow's rows (``flight.series_max_values``)."""
+        folder = artifact_path(FLIGHT_DIR.as_posix(), self._model)
+        staged = stage_window(window, self._staging / "flight", self.options.run_name or "")
+        uploads.extend(Upload(path, folder) for path in staged)
+        if window.norms.size > self.config.flight.series_max_values:
+            return []
+        series = window_series(window, self._model)
+        return [(key, value, timestamp, step) for key, value, step in series]
 
     def _alert(self, event: AlertEvent, uploads: list[Upload]) -> list[Tag]:
         self._pictures.alert(event)

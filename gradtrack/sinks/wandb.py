@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.extras import require_module
+from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY, PICTURES_FAMILY, PROFILE_FAMILY
 from gradtrack.formats.wandb_steps import step_line
 from gradtrack.record import StepRecord
+from gradtrack.sinks.flight_files import stage_window
 from gradtrack.sinks.runbook import RunBook
 from gradtrack.sinks.wandb_file import StepFiles
 from gradtrack.sinks.wandb_rows import RowRider
@@ -76,6 +78,12 @@ class WandbSink:
             raise finished_error(error) or error from None
 
     def _write(self, run: Run, batch: Sequence[StepRecord]) -> None:
+        for record in batch:
+            if record.flight is not None:
+                self._write_window(run, record.flight)
+        batch = [record for record in batch if not record.window_only]
+        if not batch:
+            return
         # The files first: what they hold is the run's complete record.
         self._files.append(run, [(r.step, self._line(r)) for r in batch])
         # Before any round trip: W&B refuses this at once once the run is finished, where
@@ -92,6 +100,20 @@ class WandbSink:
             self._rows.ride(run, batch)
         if self._pictures.add(batch):
             self._log_pictures(run)
+
+    def _write_window(self, run: Run, window: FlightWindow) -> None:
+        """A flight recorder's window: its file among the run's files (W&B's history takes
+        no step before the last one logged), its picture in the run summary."""
+        import wandb
+
+        root = Path(run.dir)
+        model = self.config.model_name
+        folder = root / FLIGHT_DIR / model if model else root / FLIGHT_DIR
+        for path in stage_window(window, folder, run.name or run.id):
+            run.save(str(path), base_path=str(root), policy="now")
+            if path.suffix == ".png":
+                key = metric_key(PICTURES_FAMILY, f"flight_{window.incident_step}", model)
+                run.summary[key] = wandb.Image(str(path))
 
     def alert(self, event: AlertEvent) -> None:
         from wandb.sdk.wandb_alerts import AlertLevel

@@ -106,7 +106,9 @@ def test_the_report_opens_in_chromium_with_every_image_loaded(
     assert "base and nudged are identical up to step 28, then part at step 30 in layer 2" in page
     assert f"nan: first non-finite gradient at step {NAN_STEP} (first in 0)" in page
     count = page.count("<img ")
-    assert count == len(list(out.glob("*.png"))) == 9  # 3 heatmaps, 3 histograms, 3 more
+    # 3 heatmaps, 3 histograms, 3 more, and the flight recorder's window before nan's NaN
+    assert count == len(list(out.glob("*.png"))) == 10
+    assert f"nan: every layer&#x27;s norm before the nonfinite at step {NAN_STEP}" in page
     assert images_loaded(out / "report.html", tmp_path) == f"{count}/{count}"
     # The check itself fails on a picture that does not load.
     broken = tmp_path / "broken.html"

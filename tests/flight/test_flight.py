@@ -1,0 +1,172 @@
+"""The flight recorder: its ring on the training thread, the window the worker sends at each
+kind of incident (non-finite on the accelerator's path, a skip, a raise, an exception,
+Ctrl-C), once, and the first mover it names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradtrack
+from gradtrack.errors import GradientAlertError
+from gradtrack.first_mover import first_mover
+from gradtrack.flight import FlightRecorder
+from gradtrack.flight_log import FlightLog
+from gradtrack.formats.flight import FlightWindow, read_window, window_text
+from gradtrack.sinks import MemorySink
+from gradtrack.spool_codec import decode, encode
+from tests.test_no_sync import OpRecorder
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+
+
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, nan_at: int | None = None,
+    stop_at: int | None = None, error: type[BaseException] = ValueError,
+) -> None:  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=generator)
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean()
+        (loss * float("nan") if step == nan_at else loss).backward()
+        optimizer.step()
+        if step == stop_at:
+            raise error("training broke")
+
+
+def windows(sink: MemorySink) -> list[FlightWindow]:
+    return [r.flight for r in sink.records if r.flight is not None]
+
+
+def test_the_ring_keeps_the_last_k_steps_and_hands_each_on_once() -> None:
+    recorder = FlightRecorder(capacity=5, n_layers=3)
+    assert recorder.nbytes == 5 * 3 * 4
+    for step in range(12):
+        recorder.record(step, torch.tensor([0.0, step, 2.0 * step, -1.0], dtype=torch.float64))
+        if step == 3:
+            steps, norms = recorder.take()  # type: ignore[misc]
+            assert steps.tolist() == [0, 1, 2, 3]
+    steps, norms = recorder.take()  # type: ignore[misc]
+    assert steps.tolist() == [7, 8, 9, 10, 11]  # 4..6 fell out of the ring before a take
+    assert norms.reshape(5, 3)[:, 1].tolist() == [14.0, 16.0, 18.0, 20.0, 22.0]
+    assert recorder.take() is None
+
+
+def test_the_accelerators_path_keeps_k_steps_before_a_latched_nan_without_a_host_read() -> None:
+    model, sink, ops = mlp(), MemorySink(), OpRecorder()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, flight={"steps": 64}) as w:
+        w.guard_reads_host = False
+        w.collector.foreach_only = True
+        with ops:
+            train(model, optimizer, 120, nan_at=97)
+    assert ops.ops["_local_scalar_dense"] == 0
+    (window,) = [w for w in windows(sink) if w.incident == "nonfinite"]
+    assert window.incident_step == 97  # found at step 100, the next logged one
+    assert window.steps.tolist() == list(range(97 - 64, 98))
+    assert np.isfinite(window.norms[:-1]).all() and np.isnan(window.norms[-1]).all()
+
+
+def test_a_skipped_step_sends_its_window(tmp_path: Path) -> None:
+    model, sink = mlp(), MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    skip, flight = {"nonfinite": {"action": "skip"}}, {"steps": 32}
+    journal = {"journal": tmp_path / "skipped.json"}
+    with gradtrack.watch(
+        model, backend=sink, optimizer=optimizer, alerts=skip, flight=flight, skip=journal
+    ):
+        train(model, optimizer, 60, nan_at=45)
+    (window,) = windows(sink)
+    assert window.incident_step == 45 and window.steps.tolist() == list(range(13, 46))
+
+
+def test_a_raise_sends_the_window_once_and_the_exception_that_follows_none() -> None:
+    model, sink = mlp(), MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(GradientAlertError):
+        with gradtrack.watch(model, backend=sink, optimizer=optimizer,
+                             alerts={"nonfinite": {"action": "raise"}}):  # fmt: skip
+            train(model, optimizer, 60, nan_at=45)
+    (window,) = windows(sink)
+    assert window.incident == "nonfinite" and window.steps.tolist() == list(range(46))
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"), [(ValueError, "FAILED"), (KeyboardInterrupt, "KILLED")]
+)
+def test_training_that_ends_in_an_exception_sends_the_steps_before_it(
+    error: type[BaseException], outcome: str
+) -> None:
+    model, sink = mlp(), MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(error):
+        with gradtrack.watch(model, backend=sink, optimizer=optimizer, flight={"steps": 100}):
+            train(model, optimizer, 300, stop_at=233, error=error)
+    (record,) = [r for r in sink.records if r.flight is not None]
+    assert record.window_only and record.step == 233 and record.flight is not None
+    assert record.flight.incident == outcome
+    assert record.flight.steps.tolist() == list(range(133, 234))
+    assert sink.scalars()["grad/total_norm"][-1][0] == 230  # no metrics at the window's record
+
+
+def test_a_run_that_ends_well_sends_no_window() -> None:
+    model, sink = mlp(), MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer):
+        train(model, optimizer, 80)
+    assert windows(sink) == []
+
+
+def test_off_there_is_no_ring_and_no_window() -> None:
+    model, sink = mlp(), MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, flight={"enabled": False}) as w:
+        train(model, optimizer, 60, nan_at=45)
+        assert w.judge.signals.flight is None
+    assert windows(sink) == []
+
+
+def test_a_window_goes_out_once_per_kind_and_its_steps_once_as_series() -> None:
+    log = FlightLog(("a", "b"), steps=10, slack=5, action=lambda rule, layer: "warn")
+    log.add(np.arange(21), np.ones(42))
+    first = log.window("spike", 20)
+    assert first is not None and first.steps.tolist() == list(range(10, 21))
+    log.add(np.arange(21, 30), np.ones(18))  # the ring holds 16 steps: 14..29
+    assert log.window("spike", 25) is None  # the same kind within 10 steps
+    second = log.window("nonfinite", 25)
+    assert second is not None and second.steps.tolist() == list(range(15, 26))
+    assert second.logged.tolist() == [True] * 6 + [False] * 5  # 15..20 went out already
+    assert log.window("FAILED", 29) is None  # the end of training, right after: nothing new
+
+
+def test_stationary_noise_has_no_first_mover_and_a_falling_layer_is_one() -> None:
+    rng = np.random.default_rng(3)
+    norms = 10 ** rng.normal(0, 0.05, (257, 40))
+    assert first_mover(np.arange(257), norms, 256) is None
+    norms[220:, 17] /= 1.15 ** np.arange(1, 38)
+    move = first_mover(np.arange(257), norms, 256)
+    assert move is not None and move.layer == 17 and move.direction == "falling"
+    assert 218 <= move.step <= 224
+
+
+def test_a_window_survives_the_spool_and_its_file() -> None:
+    window = FlightWindow(
+        "nonfinite", 9, ("a", "b"), np.arange(8, 10), np.array([[1, 2], [np.nan, 3]], np.float32),
+        np.array([True, False]), "a", 8, "rising", "a moved",
+    )  # fmt: skip
+    record = gradtrack.StepRecord(9, 0.0, ("a",), np.zeros((1, 7)), 1.0, flight=window)
+    for back in (decode(encode(record)).flight, read_window(window_text(window))):  # type: ignore[union-attr]
+        assert back is not None and back.layers == window.layers
+        assert back.steps.tolist() == [8, 9] and back.logged.tolist() == [True, False]
+        np.testing.assert_array_equal(back.norms, window.norms)
+        assert (back.first_mover, back.first_mover_step, back.message) == ("a", 8, "a moved")
