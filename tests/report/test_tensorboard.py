@@ -41,6 +41,7 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             skip={"journal": str(root / f"{name}-skipped.json")},
             tensorboard={"log_dir": str(root / name)},
             mlflow={"tracking_uri": uri, "experiment": "tb", "run_name": name, "pictures": False},
+            flight={"enabled": False},  # its window reaches MLflow as series, not TensorBoard
         ):  # fmt: skip
             for step in range(40):
                 optimizer.zero_grad()
