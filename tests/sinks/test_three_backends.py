@@ -28,6 +28,7 @@ def test_one_run_has_the_same_keys_at_the_same_steps_in_all_three(
         mlflow={"tracking_uri": uri, "experiment": "three", "pictures": False},
         wandb={"mode": "offline", "project": "three", "pictures": False},
         tensorboard={"log_dir": str(tmp_path / "tb"), "pictures": False},
+        flight={"enabled": False},  # its window reaches MLflow as series only (docs/flight.md)
     )  # fmt: skip
     run_id = watcher.sinks[0].run_id  # type: ignore[attr-defined]
     wandb.teardown()
