@@ -15,7 +15,6 @@ run; time: one norm pass over the weights and two strided copies per logged step
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from gradtrack.stats import DeviceIndex, copy_to_host
-from gradtrack.updates import weight_norms
+from gradtrack.updates import device_groups, weight_norms
 
 SAMPLE_SIZE = 1024  # elements of each tensor compared before and after the step
 
@@ -76,11 +75,7 @@ class SampledUpdateProbe:
         self._lattices = [
             Lattice(p.numel(), sample, rng, whole=not p.is_contiguous()) for p in self._params
         ]
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-        for i, param in enumerate(self._params):
-            groups[(param.device, param.dtype)].append(i)
-        self._groups = list(groups.values())
-        self._inverse = np.argsort(np.concatenate([np.asarray(g) for g in self._groups]))
+        self._groups, self._inverse = device_groups(self._params)
         self._index = DeviceIndex()
         self._param_norms: list[Tensor] = []
         # Each group's sample views, made at watch time (a view is metadata: no op per tensor

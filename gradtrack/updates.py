@@ -28,11 +28,7 @@ class UpdateProbe:
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
         self._params = list(params)
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-        for i, param in enumerate(self._params):
-            groups[(param.device, param.dtype)].append(i)
-        self._groups = list(groups.values())
-        self._inverse = np.argsort(np.concatenate([np.asarray(g) for g in self._groups]))
+        self._groups, self._inverse = device_groups(self._params)
         self._index = DeviceIndex()
         self._snapshots: list[list[Tensor]] | None = None
         self._param_norms: list[Tensor] = []
@@ -65,6 +61,16 @@ class UpdateProbe:
                 dim=1,
             )
             return copy_to_host(rows[self._index(self._inverse, device)])
+
+
+def device_groups(params: Sequence[Tensor]) -> tuple[list[list[int]], np.ndarray]:
+    """The tensors' indices grouped by (device, dtype), for one foreach pass per group, and
+    the permutation that puts the groups' concatenated results back in tensor order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, param in enumerate(params):
+        groups[(param.device, param.dtype)].append(i)
+    ordered = list(groups.values())
+    return ordered, np.argsort(np.concatenate([np.asarray(g) for g in ordered]))
 
 
 def weight_norms(tensors: list[Tensor]) -> Tensor:
