@@ -22,7 +22,7 @@ import gradtrack
 def main() -> None:
     uri, steps, progress = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.manual_seed(0)
-    torch.set_num_threads(1)  # training on one core of the two, as one data loader's rank
+    torch.set_num_threads(1)  # the loop holds one core of the two (one rank per core)
     model = nn.Sequential(
         nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
     )
