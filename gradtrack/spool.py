@@ -135,27 +135,6 @@ class Spool:
             spool._write_meta(spool._db, {"version": FORMAT_VERSION, "sinks": sinks})
         return spool
 
-    @staticmethod
-    def meta_of(path: Path) -> dict[str, Any]:
-        """The sinks this spool was meant for (id → how to reach the run) and, once known,
-        how training ended (``outcome``); read without taking the spool."""
-        _refuse_old_format(path)
-        try:
-            db = sqlite3.connect(f"file:{path / DB_FILE}?mode=ro", uri=True)
-            try:
-                rows = dict(db.execute("SELECT key, value FROM meta").fetchall())
-            finally:
-                db.close()
-            meta = {key: json.loads(value) for key, value in rows.items()}
-        except (sqlite3.Error, ValueError) as exc:
-            raise SpoolError(f"{path} is not a readable gradtrack spool ({exc})") from None
-        if meta.get("version") != FORMAT_VERSION or not isinstance(meta.get("sinks"), dict):
-            raise SpoolError(
-                f"{path} is a spool of format {meta.get('version')!r}; this gradtrack reads "
-                f"format {FORMAT_VERSION}"
-            )
-        return meta
-
     def _check_version(self) -> None:
         version = self._db.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
         if self.path is not None and (version is None or json.loads(version[0]) != FORMAT_VERSION):
