@@ -19,7 +19,7 @@ the machine's noise falls on every variant alike, the median time of:
   norms copied into the ring, and every 10th step (``log_every``) the steps since the last
   hand-off taken for the logged step's copy; "flight alone" times the recorder by itself on
   the layer norms the spike rule computes anyway, also as a share of one backward (the
-  median of 5), and the ring's memory (K × layers × 4 bytes) in KiB;
+  median of 5), and the ring's memory ((K + 1) × (1 + layers) × 8 bytes) in KiB;
 - guard+skip: that, read on the host and judged by the skip rules (`gradtrack.skip`), as
   every step runs with ``action="skip"``;
 - update signals: what ``update_signals=True`` adds to a logged step (`gradtrack.updates`:
@@ -91,7 +91,7 @@ def measure(name: str, reps: int) -> dict[str, float]:
         checked.finite()
         spikes.update(layer_norms(checked), host=on_host(checked))
 
-    ring = FlightRecorder(256, len(names))
+    ring = FlightRecorder(257, len(names))  # K = 256, and the incident
     counter = [0]
 
     def guard_spike_flight() -> None:

@@ -53,12 +53,12 @@ class PendingStep:
     # The rule whose action "skip" left this step's optimizer step out; skips so far.
     skipped_by: str | None = None
     skipped_steps: int = 0
-    # The flight recorder's steps since its last hand-off (their norms ride in the evidence,
-    # or in ``flight_norms`` for ``ending``: training ended in an exception or Ctrl-C, a
-    # step with no parts that only hands the recorder's last steps on).
-    flight_steps: np.ndarray | None = None
-    flight_norms: np.ndarray | None = None
+    # The closing step's flight recorder rows (a logged step's ride in its evidence).
+    flight_rows: np.ndarray | None = None
+    # The closing step's: how training ended where that was an exception or Ctrl-C, and the
+    # bad step the accelerator's guard latched after the last logged step, read at close.
     ending: str | None = None
+    latch: np.ndarray | None = None
 
 
 @dataclass
@@ -101,74 +101,79 @@ class Assembler:
         self.flight: FlightLog | None = None
         if config.flight.enabled:
             action = lambda rule, layer: alert_engine.rule(rule, layer).action  # noqa: E731
-            slack = config.log_every
+            # An incident latched on an accelerator is read at the next logged step, up to
+            # log_every steps on; the ring on the device keeps only flight.steps of them, so
+            # no hand-off brings more than that: the host never needs more slack.
+            slack = min(config.log_every, config.flight.steps)
             self.flight = FlightLog(index.layer_names, config.flight.steps, slack, action)
 
     def assemble(self, pending: PendingStep) -> AssembledStep:
-        if pending.ending is not None:
-            return AssembledStep(self._part("flight window", lambda: self._ending(pending), []), [])
+        if not pending.parts:
+            return self._closing(pending)
         if pending.backward_order is not None:
             names = self._index.layer_names
             self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
         for part in pending.parts:
             part.wait()
         evidence = pending.parts[0].evidence()
-        records = [self._latched_record(pending, evidence), self.build_record(pending, evidence)]
+        latched = self._latched_record(pending, evidence.latch, pending.step)
+        kept, events = self._judged([latched, self.build_record(pending, evidence)])
+        return AssembledStep(*self._part("flight window", lambda: self._flight(
+            evidence.flight, kept, events), (kept, events)))  # fmt: skip
+
+    def _judged(
+        self, records: list[StepRecord | None]
+    ) -> tuple[list[StepRecord], list[AlertEvent]]:
+        """The records the rules judged, and their events."""
+        kept: list[StepRecord] = []
         events: list[AlertEvent] = []
-        for i, record in enumerate(records):
+        for record in records:
             if record is not None:
                 found = self._evaluate(record)
                 if found or record.nan_count or record.inf_count or not record.counted:
-                    records[i] = self._first_bad_in_full(record)
+                    record = self._first_bad_in_full(record)
+                kept.append(record)
                 events += found
-        kept = [r for r in records if r is not None]
-        return AssembledStep(*self._part("flight window", lambda: self._flight(
-            pending, evidence, kept, events), (kept, events)))  # fmt: skip
+        return kept, events
+
+    def _closing(self, pending: PendingStep) -> AssembledStep:
+        """The step handed on at close: the bad step latched after the last logged one, and
+        the window before the last step where training ended in an exception or Ctrl-C."""
+        latched = self._latched_record(pending, pending.latch)
+        records, events = self._judged([latched])
+        records, events = self._part("flight window", lambda: self._flight(
+            pending.flight_rows, records, events), (records, events))  # fmt: skip
+        records += self._part("flight window", lambda: self._ending(pending), [])
+        return AssembledStep(records, events)
 
     def _flight(
-        self,
-        pending: PendingStep,
-        evidence: HostEvidence,
-        records: list[StepRecord],
-        events: list[AlertEvent],
+        self, rows: np.ndarray | None, records: list[StepRecord], events: list[AlertEvent]
     ) -> tuple[list[StepRecord], list[AlertEvent]]:
-        """The recorder's steps kept; at an incident, its window on its record."""
+        """The recorder's rows kept; at an incident, its window on its record."""
         if self.flight is None:
             return records, events
-        self.flight.add(pending.flight_steps, evidence.flight)
+        self.flight.add(rows)
         return self.flight.annotate(records, events)
 
     def _ending(self, pending: PendingStep) -> list[StepRecord]:
         """Training ended in an exception (or Ctrl-C): the window before its last step."""
         if self.flight is None or pending.ending is None:
             return []
-        if pending.flight_norms is not None:
-            self.flight.add(pending.flight_steps, pending.flight_norms)
-        window = self.flight.window(pending.ending, pending.step)
-        if window is None:
-            return []
-        if window.message:
-            report(f"gradtrack: training ended ({pending.ending}) at step {pending.step}; "
-                   f"{window.message}")  # fmt: skip
-        return [
-            StepRecord(
-                step=pending.step, wall_time=pending.wall_time, layers=(),
-                stats=np.zeros((0, TENSOR_COLUMNS + 2)), total_norm=float("nan"),
-                model_name=self._model_name, layer_detail="none", counted=False,
-                flight=window, window_only=True,
-            )
-        ]  # fmt: skip
+        record = self.flight.ending(pending.ending, pending.step, pending.wall_time)
+        return [] if record is None else [replace(record, model_name=self._model_name)]
 
     def _evaluate(self, record: StepRecord) -> list[AlertEvent]:
         no_events: list[AlertEvent] = []
         return self._part("alert rules", lambda: self.alert_engine.evaluate(record), no_events)
 
-    def _latched_record(self, pending: PendingStep, evidence: HostEvidence) -> StepRecord | None:
+    def _latched_record(
+        self, pending: PendingStep, latch: np.ndarray | None, logged: int | None = None
+    ) -> StepRecord | None:
         """The first non-finite step an accelerator's guard latched since the last logged
         step, as a record of its layer norms (its elements were not counted)."""
         index = self._index
-        latched = latched_step(evidence.latch, index.n_tensors)
-        if latched is None or latched[0] == pending.step:
+        latched = None if latch is None else latched_step(latch, index.n_tensors)
+        if latched is None or latched[0] == logged:
             return None  # (a logged step that was bad itself is summarised in full)
         step, norms, spike = latched
         present = np.flatnonzero(norms != -1.0)

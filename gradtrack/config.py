@@ -179,7 +179,9 @@ class FlightOptions(BaseModel):
         True, description="Keep the last steps' per-layer norms and send them at an incident."
     )
     steps: PositiveInt = Field(
-        256, description="Steps the window holds before an incident (K; K x layers x 4 bytes)."
+        256,
+        description="Steps the window holds before an incident (K; (K+1) x (1+layers) x 8 "
+        "bytes on the device).",
     )
     series_max_values: PositiveInt = Field(
         200_000,

@@ -16,7 +16,9 @@ import numpy as np
 from gradtrack.alerts import AlertEvent
 from gradtrack.first_mover import first_mover, first_mover_sentence
 from gradtrack.formats.flight import FlightWindow
+from gradtrack.log import report
 from gradtrack.record import StepRecord
+from gradtrack.stats import TENSOR_COLUMNS
 
 INCIDENT_RULES = ("nonfinite", "spike", "exploding")
 _WHAT = {"nonfinite": "the non-finite gradient", "spike": "the spike", "exploding": "the explosion"}
@@ -38,21 +40,48 @@ class FlightLog:
         self._norms = np.full((capacity, len(self.layers)), np.nan, dtype=np.float32)
         self._logged = np.zeros(capacity, dtype=bool)
         self._next = 0
+        self._newest = -1  # the last step kept
         self._action = action
         self._last_window: dict[str, int] = {}  # per incident kind: its last window's step
         self._sent_until = -1  # the steps up to here went out in a window already
         self.windows_sent = 0
 
-    def add(self, steps: np.ndarray | None, norms: np.ndarray) -> None:
-        """Keep the steps a hand-off carried (``norms`` flat, ``len(steps)`` × layers)."""
-        if steps is None or len(steps) == 0:
+    @property
+    def capacity(self) -> int:
+        """Steps the host copy holds: ``steps + 1 + slack``."""
+        return len(self._step)
+
+    def add(self, rows: np.ndarray | None) -> None:
+        """Keep the steps a hand-off carried: the ring's rows ``[step, *layer norms]``, flat.
+        Rows of steps kept already (a held ring hands them on again) are dropped."""
+        if rows is None or len(rows) == 0:
             return
-        rows = norms.reshape(len(steps), len(self.layers))
-        capacity = len(self._step)
-        for step, row in zip(steps[-capacity:].tolist(), rows[-capacity:]):
+        rows = rows.reshape(-1, 1 + len(self.layers))
+        steps = rows[:, 0].astype(np.int64)
+        fresh = steps > self._newest
+        if not fresh.any():
+            return
+        steps, rows = steps[fresh], rows[fresh]
+        capacity = self.capacity
+        for step, row in zip(steps[-capacity:].tolist(), rows[-capacity:, 1:]):
             slot = self._next % capacity
             self._step[slot], self._norms[slot], self._logged[slot] = step, row, False
             self._next += 1
+        self._newest = int(steps[-1])
+
+    def ending(self, outcome: str, step: int, wall_time: float) -> StepRecord | None:
+        """Training ended in an exception (``FAILED``) or Ctrl-C (``KILLED``) at ``step``:
+        a record that carries only the window before it, if one is due."""
+        window = self.window(outcome, step)
+        if window is None:
+            return None
+        if window.message:
+            report(f"gradtrack: training ended ({outcome}) at step {step}; {window.message}")
+        return StepRecord(
+            step=step, wall_time=wall_time, layers=(), stats=np.zeros((0, TENSOR_COLUMNS + 2)),
+            total_norm=float("nan"), layer_detail="none", counted=False, flight=window,
+            window_only=True,
+        )  # fmt: skip
 
     def annotate(
         self, records: list[StepRecord], events: list[AlertEvent]

@@ -27,6 +27,7 @@ class BadStepLatch:
         self.size = 1 + n_tensors + spike_size
         self._state: Tensor | None = None
         self._index = DeviceIndex()
+        self.holding: Tensor | None = None  # see `update`
 
     def update(self, guard: Guard, step: int, spike: Tensor | None = None) -> None:
         """Latch this step if it is the first bad one: no host read, no branch."""
@@ -35,7 +36,9 @@ class BadStepLatch:
         bad = ~torch.isfinite(part.l2).all()
         if spike is not None:
             bad = bad | spike_flagged(spike)
-        fresh = torch.logical_and(bad, state[0] < 0)
+        empty = state[0] < 0
+        self.holding = ~empty  # a bad step latched before this one
+        fresh = torch.logical_and(bad, empty)
         if spike is not None:
             tail = state[1 + self.n_tensors :]
             tail.copy_(torch.where(fresh, spike, tail))
@@ -46,8 +49,17 @@ class BadStepLatch:
     def take(self, device: torch.device) -> Tensor:
         """The latch, for a logged step's host copy; the next step starts a fresh one (in
         place would race with the copy, which runs later in the device's stream)."""
-        state, self._state = self._state_on(device), None
+        state, self._state, self.holding = self._state_on(device), None, None
         return state
+
+    def read(self) -> np.ndarray | None:
+        """The latch read on the host (a wait for the device: for the end of training only);
+        None if no step was latched since the last take."""
+        state, self._state, self.holding = self._state, None, None
+        if state is None:
+            return None
+        flags = state.cpu().numpy()
+        return None if flags[0] < 0 else flags
 
     def _state_on(self, device: torch.device) -> Tensor:
         if self._state is None:  # made on the device: a copy from the host could wait

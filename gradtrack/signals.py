@@ -66,7 +66,7 @@ def build_signals(
         signals.skips = SkipPolicy(engine, layer_names, config.skip.max_consecutive)
         signals.journal = Journal(config.skip.journal)
     if config.flight.enabled and guard_every_step:
-        signals.flight = FlightRecorder(config.flight.steps, len(layer_names))
+        signals.flight = FlightRecorder(config.flight.steps + 1, len(layer_names))  # + the incident
     if signals.spikes is not None or signals.skips is not None or signals.flight is not None:
         signals.layer_norms = LayerNorms(collector.index.tensor_layer, len(layer_names))
     if exact:

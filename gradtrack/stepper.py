@@ -110,7 +110,9 @@ class Stepper:
             return False
         plan = self._plan(step, logged, with_samples, guard, micro_batches)
         if self.signals.flight is not None:  # one copy on the device
-            self.signals.flight.record(step, self.judge.layer_norms, self._on_error)
+            self.signals.flight.record(
+                step, self.judge.layer_norms, self._on_error, self.judge.holding()
+            )
         origin = self._origin_of(plan)
         if self.probes.origin is not None:
             self.probes.origin.forget()  # the step's inputs and output gradient
@@ -200,9 +202,8 @@ class Stepper:
             evidence.rank_norms = rank_norms
             evidence.spike = self.judge.spike_or_unknown(guard, plan.spike)
             evidence.latch = self.judge.take_latch(guard)
-            flight = None if self.signals.flight is None else self.signals.flight.take()
-            if flight is not None:
-                evidence.flight = flight[1]
+            if self.signals.flight is not None:
+                evidence.flight = self.signals.flight.take()
             parts = self.collector.collect(guard, plan.with_samples, evidence, full=per_layer)
         except Exception as exc:  # watching must never crash training
             self._on_error(plan.step, exc)
@@ -211,19 +212,20 @@ class Stepper:
             return None  # (sharded: this rank's shard rows went into rank 0's)
         return PendingStep(
             plan.step, time.time(), parts, backward_order, activation_order, per_layer=per_layer,
-            flight_steps=None if flight is None else flight[0],
         )  # fmt: skip
 
-    def hand_on_flight(self, outcome: str) -> None:
-        """Training ended in an exception or Ctrl-C: the recorder's last steps go to the
-        worker (one read of the device, at close), which sends their window."""
-        if self.signals.flight is None or (self.ranks is not None and self.ranks.rank != 0):
+    def hand_on_last(self, outcome: str) -> None:
+        """At close (a read of the device): the bad step latched after the last logged one,
+        and the recorder's last steps where training ended in an exception or Ctrl-C."""
+        if self.ranks is not None and self.ranks.rank != 0:
             return
         try:
-            steps, norms = self.signals.flight.take_on_host()
-            last = PendingStep(self.step - 1, time.time(), [], ending=outcome)
-            last.flight_steps, last.flight_norms = steps, norms
-            self.mailbox.put_step(last)
+            latch, flight = self.judge.read_latch(), self.signals.flight
+            ending = None if outcome == "FINISHED" else outcome
+            if latch is not None or (ending is not None and flight is not None):
+                last = PendingStep(self.step - 1, time.time(), [], ending=ending, latch=latch)
+                last.flight_rows = None if flight is None else flight.take_on_host()
+                self.mailbox.put_step(last)
         except Exception as exc:  # watching must never crash training
             self._on_error(self.step - 1, exc)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from gradtrack.collect import Collector, Guard
@@ -88,6 +89,15 @@ class StepJudge:
 
     def take_latch(self, guard: Guard) -> torch.Tensor | None:
         return None if self.latch is None else self.latch.take(guard.devices[0].device)
+
+    def holding(self) -> torch.Tensor | None:
+        """On the device: whether a bad step was latched before the last judged one (the
+        flight recorder then holds its window); None where nothing is latched."""
+        return None if self.latch is None else self.latch.holding
+
+    def read_latch(self) -> np.ndarray | None:
+        """At the end of training: the bad step latched since the last logged step, if any."""
+        return None if self.latch is None else self.latch.read()
 
     def _signals(self, guard: Guard, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every step, on the device: the layer norms and the spike vector."""

@@ -254,8 +254,7 @@ class Watcher:
         self.closed = True
         self.probes.remove()
         self.stepper.release_held()
-        if outcome != "FINISHED":
-            self.stepper.hand_on_flight(outcome)
+        self.stepper.hand_on_last(outcome)
         model = self.model_ref()
         if model is not None and _WATCHED.get(model) is self:
             del _WATCHED[model]

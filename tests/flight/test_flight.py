@@ -48,18 +48,35 @@ def windows(sink: MemorySink) -> list[FlightWindow]:
     return [r.flight for r in sink.records if r.flight is not None]
 
 
+def steps_of(rows: torch.Tensor | None, n_layers: int) -> list[int]:
+    assert rows is not None
+    return rows.reshape(-1, 1 + n_layers)[:, 0].long().tolist()
+
+
 def test_the_ring_keeps_the_last_k_steps_and_hands_each_on_once() -> None:
     recorder = FlightRecorder(capacity=5, n_layers=3)
-    assert recorder.nbytes == 5 * 3 * 4
+    assert recorder.nbytes == 5 * 4 * 8
     for step in range(12):
         recorder.record(step, torch.tensor([0.0, step, 2.0 * step, -1.0], dtype=torch.float64))
         if step == 3:
-            steps, norms = recorder.take()  # type: ignore[misc]
-            assert steps.tolist() == [0, 1, 2, 3]
-    steps, norms = recorder.take()  # type: ignore[misc]
-    assert steps.tolist() == [7, 8, 9, 10, 11]  # 4..6 fell out of the ring before a take
-    assert norms.reshape(5, 3)[:, 1].tolist() == [14.0, 16.0, 18.0, 20.0, 22.0]
+            assert steps_of(recorder.take(), 3) == [0, 1, 2, 3]
+    rows = recorder.take()
+    assert steps_of(rows, 3) == [7, 8, 9, 10, 11]  # 4..6 fell out of the ring before a take
+    assert rows is not None and rows.reshape(5, 4)[:, 2].tolist() == [14, 16, 18, 20, 22]
     assert recorder.take() is None
+
+
+def test_a_held_ring_keeps_the_rows_up_to_the_latched_step() -> None:
+    recorder, held = FlightRecorder(capacity=4, n_layers=1), torch.tensor(True)
+    for step in range(10):
+        hold = held if step > 5 else torch.tensor(False)  # latched at step 5
+        recorder.record(step, torch.tensor([0.0, step], dtype=torch.float64), hold=hold)
+    assert steps_of(recorder.take(), 1) == [2, 3, 4, 5]
+    log = FlightLog(("a",), steps=3, slack=0, action=lambda rule, layer: "warn")
+    log.add(np.array([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]).reshape(-1))
+    log.add(np.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]).reshape(-1))  # 1, 2 again: dropped
+    window = log.window("nonfinite", 3)
+    assert window is not None and window.steps.tolist() == [0, 1, 2, 3]
 
 
 def test_the_accelerators_path_keeps_k_steps_before_a_latched_nan_without_a_host_read() -> None:
@@ -74,6 +91,23 @@ def test_the_accelerators_path_keeps_k_steps_before_a_latched_nan_without_a_host
     (window,) = [w for w in windows(sink) if w.incident == "nonfinite"]
     assert window.incident_step == 97  # found at step 100, the next logged one
     assert window.steps.tolist() == list(range(97 - 64, 98))
+    assert np.isfinite(window.norms[:-1]).all() and np.isnan(window.norms[-1]).all()
+
+
+@pytest.mark.parametrize("log_every", [300, 10**9])  # past the window; the benchmark's "never"
+def test_a_latched_nan_far_from_a_logged_step_keeps_a_bounded_host_copy(log_every: int) -> None:
+    model, sink = mlp(), MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    options = {"log_every": log_every, "histograms": False, "flight": {"steps": 64}}
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, **options) as w:
+        w.guard_reads_host = False
+        w.collector.foreach_only = True
+        flight = w.assembler.flight
+        assert flight is not None and flight.capacity <= 2 * 64 + 1  # not log_every's steps
+        train(model, optimizer, 250, nan_at=197)
+    (window,) = [w for w in windows(sink) if w.incident == "nonfinite"]
+    assert window.incident_step == 197  # read at step 300, or at the end of training
+    assert window.steps.tolist() == list(range(197 - 64, 198))
     assert np.isfinite(window.norms[:-1]).all() and np.isnan(window.norms[-1]).all()
 
 
@@ -137,11 +171,14 @@ def test_off_there_is_no_ring_and_no_window() -> None:
 
 
 def test_a_window_goes_out_once_per_kind_and_its_steps_once_as_series() -> None:
+    def rows(steps: range) -> np.ndarray:
+        return np.column_stack([steps, np.ones((len(steps), 2))]).reshape(-1)
+
     log = FlightLog(("a", "b"), steps=10, slack=5, action=lambda rule, layer: "warn")
-    log.add(np.arange(21), np.ones(42))
+    log.add(rows(range(21)))
     first = log.window("spike", 20)
     assert first is not None and first.steps.tolist() == list(range(10, 21))
-    log.add(np.arange(21, 30), np.ones(18))  # the ring holds 16 steps: 14..29
+    log.add(rows(range(21, 30)))  # the ring holds 16 steps: 14..29
     assert log.window("spike", 25) is None  # the same kind within 10 steps
     second = log.window("nonfinite", 25)
     assert second is not None and second.steps.tolist() == list(range(15, 26))
