@@ -25,13 +25,15 @@ from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.latch import latched_step
 from gradtrack.log import report
 from gradtrack.mesh import RANK_FLAGS, MeshReduction
-from gradtrack.record import StepRecord, summarise_layers
+from gradtrack.noise_scale import StepNoise
+from gradtrack.record import STAT_COLUMNS, StepRecord, summarise_layers
 from gradtrack.schedule import FirstInWindow
 from gradtrack.spike import spike_fields
 from gradtrack.stats import L1, L2, LINF, TENSOR_COLUMNS, HostPart
 from gradtrack.updates import layer_update_norms
 
 T = TypeVar("T")
+NORM = STAT_COLUMNS.index("norm")
 _NONE: dict[str, Any] = {}  # a part that failed adds no field
 
 
@@ -59,6 +61,8 @@ class PendingStep:
     # bad step the accelerator's guard latched after the last logged step, read at close.
     ending: str | None = None
     latch: np.ndarray | None = None
+    # The noise scale's: the step's examples counted (0: not) and its backward passes.
+    batch: tuple[int, int] = (0, 1)
 
 
 @dataclass
@@ -98,6 +102,8 @@ class Assembler:
         self._gather_ranks = config.distributed.gather_ranks
         self._mesh = mesh
         self._layer_position = {name: i for i, name in enumerate(index.layer_names)}
+        self.noise = StepNoise(config.noise_scale, index.layer_names, index.tensor_layer,
+                               self._world_size)  # fmt: skip
         self.flight: FlightLog | None = None
         if config.flight.enabled:
             action = lambda rule, layer: alert_engine.rule(rule, layer).action  # noqa: E731
@@ -214,6 +220,8 @@ class Assembler:
         )
         spike = evidence.spike
         activations = evidence.activation_norms
+        noise = lambda: self.noise.fields(  # noqa: E731
+            layers, stats[:, NORM], total_norm, evidence, pending.batch)  # fmt: skip
         return StepRecord(
             step=pending.step,
             wall_time=pending.wall_time,
@@ -237,6 +245,7 @@ class Assembler:
                 _NONE,
             ),
             **self._part("rank norms", lambda: self._ranks(evidence, layers), _NONE),
+            **self._part("noise scale", noise, _NONE),
         )
 
     def update_fields(self, pending: PendingStep, layers: tuple[str, ...]) -> dict[str, Any]:

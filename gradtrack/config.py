@@ -190,6 +190,30 @@ class FlightOptions(BaseModel):
     )
 
 
+class NoiseScaleOptions(BaseModel):
+    """The gradient noise scale (docs/noise_scale.md): the critical batch size, from the
+    squared gradient norms at two batch sizes — data-parallel ranks' local gradients against
+    the all-reduced one, or gradient accumulation's micro-batches against their sum."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Estimate it on logged steps where it can be.")
+    batch_size: PositiveInt | None = Field(
+        None,
+        description="Examples in one rank's batch (data-parallel) or one micro-batch "
+        "(accumulation). None: counted as the first dimension of the model's first tensor "
+        "input at each forward pass.",
+    )
+    ema: float = Field(
+        0.99, gt=0.0, lt=1.0,
+        description="EMA decay per logged step of |G|^2 and tr(Sigma) (their ratio is the "
+        "estimate: one step's is too noisy, and biased).",
+    )  # fmt: skip
+    per_layer: bool = Field(
+        False, description="Also each layer's, as grad_noise_scale/<layer> (noisier still)."
+    )
+
+
 class DistributedOptions(BaseModel):
     """How gradtrack behaves under torch.distributed (detected; nothing to switch on)."""
 
@@ -430,6 +454,9 @@ class GradtrackConfig(BaseModel):
     )
     flight: FlightOptions = Field(
         default_factory=FlightOptions, description="Flight recorder options."
+    )
+    noise_scale: NoiseScaleOptions = Field(
+        default_factory=NoiseScaleOptions, description="Gradient noise scale options."
     )
 
     @model_validator(mode="before")

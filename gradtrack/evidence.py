@@ -27,8 +27,10 @@ class StepEvidence:
     activation-gradient norms (one per watched module, None where none arrived), every
     replicated rank's local tensor norms (``rank_norms``), every sharded rank's output flags
     (``rank_flags``, see `gradtrack.mesh`), the step's spike vector (`gradtrack.spike`),
-    the latched bad step (`gradtrack.latch`) and the flight recorder's steps since the last
-    hand-off (``flight``, `gradtrack.flight`: their layer norms, flat).
+    the latched bad step (`gradtrack.latch`), the flight recorder's rows since the last
+    hand-off (``flight``, `gradtrack.flight`) and, under gradient accumulation, each
+    tensor's squared micro-batch gradients summed (``micro_squares``,
+    `gradtrack.noise_probes`).
     """
 
     output_finite: Tensor | None = None
@@ -42,12 +44,13 @@ class StepEvidence:
     spike: Tensor | None = None
     latch: Tensor | None = None
     flight: Tensor | None = None
+    micro_squares: Tensor | None = None
 
     def pieces(self) -> list[tuple[str, Tensor | None]]:
         """(name, tensor) in travelling order; a name repeats for each activation norm."""
         pieces: list[tuple[str, Tensor | None]] = [(name, getattr(self, name)) for name in SCALARS]
         pieces += [("activation_norms", norm) for norm in self.activation_norms]
-        for name in ("rank_norms", "rank_flags", "spike", "latch", "flight"):
+        for name in ("rank_norms", "rank_flags", "spike", "latch", "flight", "micro_squares"):
             if getattr(self, name) is not None:
                 pieces.append((name, getattr(self, name)))
         return pieces
@@ -94,6 +97,7 @@ class HostEvidence:
     spike: np.ndarray
     latch: np.ndarray
     flight: np.ndarray
+    micro_squares: np.ndarray
 
     @classmethod
     def empty(cls) -> HostEvidence:

@@ -21,6 +21,7 @@ from gradtrack.evidence import StepEvidence
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.layers import unwrap_model
 from gradtrack.log import warn
+from gradtrack.noise_probes import BatchCounter, MicroBatchNorms
 from gradtrack.origin import OriginProbe
 from gradtrack.replaced import ReplacementCheck
 from gradtrack.skip import ForwardCounter, OptimizerGate
@@ -55,6 +56,10 @@ class Probes:
         self.origin: OriginProbe | None = None
         self.activations: ActivationProbe | None = None
         self.local: LocalNormProbe | None = None
+        self.batches: BatchCounter | None = None
+        self.micro: MicroBatchNorms | None = None
+        self.batch = (0, 1)  # the last step's examples and backward passes (`end_step`)
+        self._micro_squares: torch.Tensor | None = None
         self._warned_no_activations = False
 
     def attach_step_source(
@@ -114,6 +119,21 @@ class Probes:
             self.local = LocalNormProbe(params, is_due)
             self.handles.extend(self.local.handles)
 
+    def attach_noise_scale(
+        self, model: nn.Module, params: list[nn.Parameter], ranks: RankGroup | None,
+        count_examples: bool, is_due: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        """The noise scale's probes where it can be estimated: examples per step (unless the
+        user gave the batch size) and, in one process whose steps are not each one backward
+        pass, the micro-batches' norms (replicated ranks have their local norms already)."""
+        if ranks is not None and (ranks.layout != "replicated" or ranks.rank != 0):
+            return  # (sharded gradients: no local gradient to compare; rank 0 records)
+        if count_examples:
+            self.batches = BatchCounter(model)
+            self.handles.append(self.batches.handle)
+        if ranks is None and self.accumulation is None:
+            self.micro = MicroBatchNorms(params, is_due)
+
     def backward_order(self) -> list[int] | None:
         """The order layers' gradients became ready in, once: learnt from the first backward."""
         probe = self.order
@@ -123,14 +143,21 @@ class Probes:
         self.order = None
         return probe.order
 
-    def micro_batches(self) -> list[int]:
-        """The forward passes of each micro-batch since the last step (skip's journal)."""
+    def end_step(self) -> list[int]:
+        """The step's end: the forward passes of each micro-batch since the last step (skip's
+        journal). The noise scale's counts are kept for the step: its examples (0: not
+        counted) and backward passes (``batch``), and its micro-batches' squared norms (for
+        `evidence`)."""
+        examples = 0 if self.batches is None else self.batches.take()
+        micro = self.micro
+        self.batch = (examples, 1 if micro is None else micro.end_step())
+        self._micro_squares = None if micro is None else micro.take()
         return self.forwards.take() if self.forwards is not None else []
 
     def evidence(self) -> tuple[StepEvidence, list[int] | None]:
         """The step's evidence from the probes, and the order in which activation gradients
         arrived."""
-        evidence = StepEvidence()
+        evidence = StepEvidence(micro_squares=self._micro_squares)
         if self.output is not None:
             evidence.output_finite, evidence.output_grad_finite = self.output.take()
         if self.scaler_tap is not None:
@@ -152,9 +179,11 @@ class Probes:
 
     def remove(self) -> None:
         """Remove every hook and wrapper."""
-        for handle in self.handles:
+        for handle in (*self.handles, *(() if self.micro is None else self.micro.handles)):
             handle.remove()
         self.handles.clear()
+        if self.micro is not None:
+            self.micro.handles.clear()
         if self.order is not None:
             self.order.remove()
             self.order = None

@@ -108,6 +108,14 @@ class StepRecord:
     # after its last step was handed on): sinks write no step metrics for it.
     flight: FlightWindow | None = None
     window_only: bool = False
+    # The gradient noise scale (`gradtrack.noise_scale`), EMAs up to this step: B_simple (the
+    # critical batch size, in examples; NaN while |G|^2's EMA is not positive), tr(Sigma) and
+    # |G|^2; with ``noise_scale.per_layer``, each layer's B_simple (rows follow ``layers``).
+    # None where not estimated.
+    noise_scale: float | None = None
+    noise_scale_trace: float | None = None
+    noise_scale_g2: float | None = None
+    layer_noise_scales: np.ndarray | None = None
 
     @property
     def per_layer(self) -> bool:

@@ -103,7 +103,7 @@ class Stepper:
         if self.probes.accumulation is not None:
             self.probes.accumulation.backward()
         backward_order = self.probes.backward_order()
-        micro_batches = self.probes.micro_batches()
+        micro_batches = self.probes.end_step()
         logged, with_samples = self.schedule.due(step)
         guard = self.judge.guard(step, exact=logged or with_samples)
         if guard is None:
@@ -212,6 +212,7 @@ class Stepper:
             return None  # (sharded: this rank's shard rows went into rank 0's)
         return PendingStep(
             plan.step, time.time(), parts, backward_order, activation_order, per_layer=per_layer,
+            batch=self.probes.batch,
         )  # fmt: skip
 
     def hand_on_last(self, outcome: str) -> None:

@@ -12,7 +12,7 @@ TOTAL_NORM_KEY = "grad/total_norm"
 # Every family a step's metrics use (the first key segment: a W&B panel section).
 FAMILIES = (
     "grad", "grad_norm", "grad_max", "grad_mean_abs", "grad_rms", "grad_nan", "grad_inf",
-    "act_grad_norm", "param_norm", "update_norm", "update_ratio",
+    "act_grad_norm", "param_norm", "update_norm", "update_ratio", "grad_noise_scale",
 )  # fmt: skip
 # Metric family per statistic; NaN/Inf families appear only where the count is non-zero.
 LAYER_KEY_PREFIX = {
@@ -27,6 +27,9 @@ ACTIVATION_KEY_PREFIX = "act_grad_norm"
 RANK_KEY_PREFIX = "grad_norm_rank"
 # With an optimizer (``update_signals``): ‖W‖, ‖ΔW‖ of the applied update, their ratio.
 UPDATE_KEY_PREFIX = {"param": "param_norm", "update": "update_norm", "ratio": "update_ratio"}
+
+# With ``noise_scale.per_layer``: grad_noise_scale/<layer>, each layer's B_simple.
+NOISE_SCALE_KEY_PREFIX = "grad_noise_scale"
 
 _UNSAFE_KEY_CHARS = re.compile(r"[^\w.\- :/]")
 

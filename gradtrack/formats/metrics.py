@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 from gradtrack.formats.keys import (
     ACTIVATION_KEY_PREFIX,
     LAYER_KEY_PREFIX,
+    NOISE_SCALE_KEY_PREFIX,
     NONFINITE_KEY_PREFIX,
     RANK_KEY_PREFIX,
     UPDATE_KEY_PREFIX,
@@ -43,6 +46,7 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
         metrics[metric_key("gradtrack", "dropped", model)] = float(record.dropped_steps)
     if record.skipped_steps:
         metrics[metric_key("grad", "skipped", model)] = float(record.skipped_steps)
+    metrics.update(_noise_scale(record))
     extremes = record.extreme_layers()
     if extremes is not None:
         metrics[metric_key("grad", "min_layer_norm", model)] = extremes[0][1]
@@ -72,3 +76,20 @@ def scalar_metrics(record: StepRecord) -> dict[str, float]:
             for layer, value in zip(record.layers, norms):
                 metrics[metric_key(f"{RANK_KEY_PREFIX}{rank}", layer, model)] = value
     return metrics
+
+
+def _noise_scale(record: StepRecord) -> dict[str, float]:
+    """grad/noise_scale (where |G|^2's EMA is positive), its trace and |G|^2, at every
+    logged step that has them; each layer's with ``noise_scale.per_layer``."""
+    model, found = record.model_name, dict[str, float]()
+    if record.noise_scale_g2 is None or record.noise_scale_trace is None:
+        return found
+    if record.noise_scale is not None and math.isfinite(record.noise_scale):
+        found[metric_key("grad", "noise_scale", model)] = record.noise_scale
+    found[metric_key("grad", "noise_scale_trace", model)] = record.noise_scale_trace
+    found[metric_key("grad", "noise_scale_g2", model)] = record.noise_scale_g2
+    if record.layer_noise_scales is not None:
+        for layer, value in zip(record.layers, record.layer_noise_scales.tolist()):
+            if math.isfinite(value):
+                found[metric_key(NOISE_SCALE_KEY_PREFIX, layer, model)] = value
+    return found
