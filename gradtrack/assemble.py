@@ -24,7 +24,7 @@ from gradtrack.flight_log import FlightLog
 from gradtrack.histogram import Histogram, bin_samples
 from gradtrack.latch import latched_step
 from gradtrack.log import report
-from gradtrack.mesh import RANK_FLAGS, MeshReduction
+from gradtrack.mesh import MeshReduction
 from gradtrack.noise_scale import StepNoise
 from gradtrack.record import STAT_COLUMNS, StepRecord, summarise_layers
 from gradtrack.schedule import FirstInWindow
@@ -102,8 +102,7 @@ class Assembler:
         self._gather_ranks = config.distributed.gather_ranks
         self._mesh = mesh
         self._layer_position = {name: i for i, name in enumerate(index.layer_names)}
-        self.noise = StepNoise(config.noise_scale, index.layer_names, index.tensor_layer,
-                               self._world_size)  # fmt: skip
+        self.noise = StepNoise(config.noise_scale, index, self._world_size)
         self.flight: FlightLog | None = None
         if config.flight.enabled:
             action = lambda rule, layer: alert_engine.rule(rule, layer).action  # noqa: E731
@@ -276,7 +275,7 @@ class Assembler:
         """Replicated ranks' local (pre-all-reduce) gradients: who went non-finite, and with
         ``gather_ranks`` each rank's layer norms."""
         if self._mesh is not None:
-            return self._mesh_ranks(evidence.rank_flags)
+            return self._mesh.nonfinite_fields(evidence.rank_flags)
         local_norms = evidence.rank_norms
         if not self._world_size or len(local_norms) == 0:
             return {}
@@ -289,19 +288,6 @@ class Assembler:
             position = self._layer_position
             fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
         return fields
-
-    def _mesh_ranks(self, rank_flags: np.ndarray) -> dict[str, Any]:
-        """Sharded: the ranks whose own model output, or the gradient reaching it, was
-        non-finite — where a NaN arose, before a collective mixed the ranks' gradients."""
-        assert self._mesh is not None
-        if len(rank_flags) == 0:
-            return {}
-        flags = rank_flags.reshape(self._mesh.ranks.world_size, len(RANK_FLAGS))
-        bad = np.flatnonzero((flags == 0).any(axis=1)).tolist()
-        if not bad:
-            return {}
-        places = tuple(self._mesh.rank_label(rank) for rank in bad)
-        return {"nonfinite_ranks": tuple(bad), "nonfinite_rank_places": places}
 
     def _activations(self, norms: np.ndarray, order: list[int]) -> dict[str, Any]:
         if not self._activation_names or len(norms) == 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,6 +136,19 @@ class MeshReduction:
     @property
     def local_sample_counts(self) -> np.ndarray:
         return self.shares[self.ranks.rank]
+
+    def nonfinite_fields(self, rank_flags: np.ndarray) -> dict[str, Any]:
+        """A record's ``nonfinite_ranks``: the ranks whose own model output, or the gradient
+        reaching it, was non-finite — where a NaN arose, before a collective mixed the ranks'
+        gradients — and their places on the mesh."""
+        if len(rank_flags) == 0:
+            return {}
+        flags = rank_flags.reshape(self.ranks.world_size, len(RANK_FLAGS))
+        bad = np.flatnonzero((flags == 0).any(axis=1)).tolist()
+        if not bad:
+            return {}
+        places = tuple(self.rank_label(rank) for rank in bad)
+        return {"nonfinite_ranks": tuple(bad), "nonfinite_rank_places": places}
 
     def rank_label(self, rank: int) -> str:
         """``"3 (dp=1, tp=1)"``: a rank and its mesh coordinates."""

@@ -21,11 +21,11 @@ contribution against their sum): `gradtrack.noise_probes`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from gradtrack.collect import TensorIndex
 from gradtrack.config import NoiseScaleOptions
 from gradtrack.evidence import HostEvidence
 from gradtrack.log import logger
@@ -78,13 +78,10 @@ class StepNoise:
     and the step's examples and backward passes. Without two batch sizes it says once why
     there is no estimate."""
 
-    def __init__(
-        self, options: NoiseScaleOptions, layer_names: Sequence[str], tensor_layer: np.ndarray,
-        world_size: int,
-    ) -> None:  # fmt: skip
+    def __init__(self, options: NoiseScaleOptions, index: TensorIndex, world_size: int) -> None:
         self.options = options
-        self._position = {name: i for i, name in enumerate(layer_names)}
-        self._tensor_layer = tensor_layer
+        self._position = {name: i for i, name in enumerate(index.layer_names)}
+        self._tensor_layer = index.tensor_layer
         self._world_size = world_size
         self._scale = NoiseScale(options.ema)
         self.why_none: str | None = None  # said once

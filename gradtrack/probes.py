@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradtrack.accumulation import AccumulationCheck
 from gradtrack.collect import Collector
+from gradtrack.config import NoiseScaleOptions
 from gradtrack.distributed import LocalNormProbe, RankGroup
 from gradtrack.evidence import StepEvidence
 from gradtrack.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
@@ -61,6 +62,7 @@ class Probes:
         self.batch = (0, 1)  # the last step's examples and backward passes (`end_step`)
         self._micro_squares: torch.Tensor | None = None
         self._warned_no_activations = False
+        self._is_due: Callable[[], bool] | None = None  # (`attach_evidence`'s)
 
     def attach_step_source(
         self,
@@ -103,6 +105,7 @@ class Probes:
         """The probes that gather a logged step's evidence. Forward evidence is read only where
         records are made, but for the output's under sharding: each rank's travels to rank 0
         with its rows, naming where a NaN arose."""
+        self._is_due = is_due
         params = collector.params
         layer_of = {id(p): int(i) for p, i in zip(params, collector.index.tensor_layer)}
         self.order = BackwardOrderProbe(params, layer_of)
@@ -120,19 +123,22 @@ class Probes:
             self.handles.extend(self.local.handles)
 
     def attach_noise_scale(
-        self, model: nn.Module, params: list[nn.Parameter], ranks: RankGroup | None,
-        count_examples: bool, is_due: Callable[[], bool],
+        self, model: nn.Module, collector: Collector, ranks: RankGroup | None,
+        options: NoiseScaleOptions,
     ) -> None:  # fmt: skip
-        """The noise scale's probes where it can be estimated: examples per step (unless the
-        user gave the batch size) and, in one process whose steps are not each one backward
-        pass, the micro-batches' norms (replicated ranks have their local norms already)."""
+        """The noise scale's probes where it can be estimated (after `attach_evidence`):
+        examples per step (unless the user gave the batch size) and, in one process whose
+        steps are not each one backward pass, the micro-batches' norms (replicated ranks
+        have their local norms already)."""
+        if not options.enabled or self._is_due is None:
+            return
         if ranks is not None and (ranks.layout != "replicated" or ranks.rank != 0):
             return  # (sharded gradients: no local gradient to compare; rank 0 records)
-        if count_examples:
+        if options.batch_size is None:
             self.batches = BatchCounter(model)
             self.handles.append(self.batches.handle)
         if ranks is None and self.accumulation is None:
-            self.micro = MicroBatchNorms(params, is_due)
+            self.micro = MicroBatchNorms(collector.params, self._is_due)
 
     def backward_order(self) -> list[int] | None:
         """The order layers' gradients became ready in, once: learnt from the first backward."""

@@ -107,15 +107,7 @@ class Watcher:
             self.probes.attach_evidence(
                 model, self.collector, self.ranks, outputs, self._next_step_is_due
             )
-            if config.noise_scale.enabled:
-                count_examples = config.noise_scale.batch_size is None
-                self.probes.attach_noise_scale(
-                    model,
-                    self.collector.params,
-                    self.ranks,
-                    count_examples,
-                    self._next_step_is_due,
-                )
+            self.probes.attach_noise_scale(model, self.collector, self.ranks, config.noise_scale)
         except BaseException:  # leave the model, the scaler and the threads as they were
             self.probes.remove()
             self.worker.request("stop", config.flush_timeout_s)

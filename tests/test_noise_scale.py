@@ -153,7 +153,7 @@ def test_a_nonfinite_step_leaves_the_averages_as_they_were() -> None:
 
 
 def test_bad_options_name_the_field() -> None:
-    with pytest.raises(ValidationError, match="noise_scale.ema"):
+    with pytest.raises(ValidationError, match=r"noise_scale\.ema"):
         gradtrack.GradtrackConfig(noise_scale={"ema": 1.0})
-    with pytest.raises(ValidationError, match="noise_scale.batch_size"):
+    with pytest.raises(ValidationError, match=r"noise_scale\.batch_size"):
         gradtrack.GradtrackConfig(noise_scale={"batch_size": 0})
