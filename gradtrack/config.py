@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -599,7 +600,9 @@ def warn_renamed(moved: list[tuple[str, str]]) -> None:
     """One DeprecationWarning naming each old name and its new place, pointed at the first
     caller outside gradtrack (and pydantic), where the old name was written."""
     renames = ", ".join(f"{old} → {new}" for old, new in moved)
-    frame, level = sys._getframe(1), 2
+    here = inspect.currentframe()
+    assert here is not None and here.f_back is not None  # (CPython has frames)
+    frame, level = here.f_back, 2
     while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
         "gradtrack",
         "pydantic",

@@ -99,7 +99,7 @@ class ScalerTap:
             return None
         scale = scaler._scale.double()
         found_inf = torch.stack([f.to(scale.device, non_blocking=True) for f in found]).sum()
-        after = torch.where(found_inf > 0, scale * scaler._backoff_factor, scale)
+        after = torch.where(found_inf > 0, scale * scaler.get_backoff_factor(), scale)
         return found_inf.double(), scale, after
 
     def remove(self) -> None:

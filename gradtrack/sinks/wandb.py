@@ -116,7 +116,7 @@ class WandbSink:
                 run.summary[key] = wandb.Image(str(path))
 
     def alert(self, event: AlertEvent) -> None:
-        from wandb.sdk.wandb_alerts import AlertLevel
+        from wandb.sdk.wandb_alerts import AlertLevel  # (wandb.AlertLevel: untyped)
 
         self._pictures.alert(event)
         run = self._wandb_run.bound()

@@ -1,0 +1,151 @@
+"""A contract test for every private API gradtrack uses, each as gradtrack uses it: a release
+of torch, mlflow or wandb that renames or changes one fails here, by name, instead of
+breaking watching silently. Where a public replacement exists gradtrack uses it instead
+(``GradScaler.get_backoff_factor``, ``inspect.currentframe``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def test_torch_foreach_ops_take_lists_and_keep_their_signatures() -> None:
+    """stats.py, updates.py, update_sample.py, origin.py: one batched kernel per list."""
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([-1.0, float("nan")])]
+    l2 = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    assert l2[0].dtype == torch.float64 and float(l2[0]) == 5.0
+    assert float(torch._foreach_norm(grads, 1, dtype=torch.float64)[0]) == 7.0
+    assert float(torch._foreach_norm(grads, float("inf"))[0]) == 4.0
+    # The NaN/Inf count: x - x is NaN exactly where x is non-finite; norm 0 counts non-zeros.
+    nonfinite = torch._foreach_norm(torch._foreach_sub(grads, grads), 0, dtype=torch.float64)
+    assert [float(n) for n in nonfinite] == [0.0, 1.0]
+    clamped = torch._foreach_clamp_max(torch._foreach_clamp_min(grads, -1.0), 1.0)
+    assert clamped[0].tolist() == [1.0, 1.0]
+    copies = [torch.zeros(2), torch.zeros(2)]
+    torch._foreach_copy_(copies, grads)
+    torch._foreach_sub_(copies, grads)
+    assert copies[0].tolist() == [0.0, 0.0]
+
+
+def test_torch_flatten_dense_tensors_concatenates() -> None:
+    from torch._utils import _flatten_dense_tensors  # stats.py: |g| over many tensors at once
+
+    flat = _flatten_dense_tensors([torch.ones(2, 2), torch.zeros(3)])
+    assert flat.shape == (7,) and flat.sum() == 4
+
+
+def test_torch_pytree_leaves() -> None:
+    from torch.utils._pytree import tree_leaves  # hooks.py, origin.py: tensors in any output
+
+    leaves = tree_leaves({"a": [torch.ones(1), (2, torch.zeros(1))], "b": None})
+    assert [type(leaf) for leaf in leaves].count(torch.Tensor) == 2
+
+
+def test_torch_graph_task_id_and_queued_callbacks_end_a_backward() -> None:
+    """watcher.py: a step ends in a callback queued on the running backward (once per graph
+    task, told apart by its id); the callback runs after every gradient is accumulated."""
+    assert torch._C._current_graph_task_id() == -1  # outside a backward
+    layer = nn.Linear(3, 2)
+    seen: list[int] = []
+    ended: list[bool] = []
+
+    def ready(param: torch.Tensor) -> None:
+        seen.append(torch._C._current_graph_task_id())
+        if len(seen) == 1:
+            done = lambda: ended.append(all(p.grad is not None for p in layer.parameters()))  # noqa: E731
+            torch.autograd.Variable._execution_engine.queue_callback(done)
+
+    for param in layer.parameters():
+        param.register_post_accumulate_grad_hook(ready)
+    layer(torch.randn(4, 3)).sum().backward()
+    assert len(seen) == 2 and seen[0] == seen[1] >= 0
+    assert ended == [True]
+    layer(torch.randn(4, 3)).sum().backward()
+    assert seen[2] != seen[0]  # a new graph task
+
+
+def test_gradscaler_scale_and_per_optimizer_state() -> None:
+    """hooks.py `ScalerTap`: the scale as a device tensor (get_scale() would read it on the
+    host) and each optimizer's found-inf flags, without a sync."""
+    layer = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(layer(torch.randn(3, 2)).sum()).backward()
+    scaler.step(optimizer)
+    assert isinstance(scaler._scale, torch.Tensor) and float(scaler._scale) == 8.0
+    states = list(scaler._per_optimizer_states.values())
+    flags = [f for state in states for f in state["found_inf_per_device"].values()]
+    assert flags and all(isinstance(f, torch.Tensor) for f in flags)
+    assert scaler.get_backoff_factor() == 0.5
+    scaler.update()
+
+
+def test_mlflow_active_run_stack_holds_this_threads_runs(tmp_path: Path) -> None:
+    """mlflow_run.py: a shared run is taken off the thread's stack of active runs without
+    end_run (which would mark it ended)."""
+    import mlflow
+    from mlflow.tracking import fluent
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        with mlflow.start_run() as run:
+            stack = fluent._active_run_stack.get()
+            assert isinstance(stack, list) and stack[-1].info.run_id == run.info.run_id
+            stack.pop()
+            assert mlflow.active_run() is None
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_mlflow_rest_helpers_take_what_gradtrack_passes() -> None:
+    """mlflow_tracking.py `RestTracking`: one attempt per call, with a timeout."""
+    from mlflow.tracking._tracking_service.utils import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+    creds = get_default_host_creds("http://127.0.0.1:9")
+    assert creds.host == "http://127.0.0.1:9"
+    parameters = inspect.signature(http_request).parameters
+    for name in ("host_creds", "endpoint", "method", "max_retries", "backoff_factor", "timeout"):
+        assert name in parameters, name
+    assert list(inspect.signature(verify_rest_response).parameters)[:2] == ["response", "endpoint"]
+
+
+def test_wandb_alert_levels_run_class_and_record_format() -> None:
+    """wandb.py: AlertLevel from wandb.sdk (wandb.AlertLevel is the same, untyped);
+    report/wandb_source.py: the offline file's protobuf records."""
+    import wandb
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.wandb_alerts import AlertLevel
+    from wandb.sdk.wandb_run import Run
+
+    assert {level.name for level in AlertLevel} >= {"INFO", "WARN", "ERROR"}
+    assert AlertLevel is wandb.AlertLevel and Run is wandb.Run
+    fields = wandb_internal_pb2.Record.DESCRIPTOR.fields_by_name
+    assert {"history", "alert", "summary", "exit"} <= set(fields)
+
+
+def test_no_other_private_api_is_used() -> None:
+    """The list above is complete for gradtrack's own code: a new private call fails here
+    until it has a contract test (tests may reach further: they are not shipped)."""
+    import re
+
+    allowed = {
+        "torch._foreach_norm", "torch._foreach_sub", "torch._foreach_clamp_max",
+        "torch._foreach_clamp_min", "torch._foreach_copy_", "torch._foreach_sub_",
+        "torch._C._current_graph_task_id", "torch.autograd.Variable._execution_engine",
+        "torch._utils", "torch.utils._pytree", "scaler._scale", "scaler._per_optimizer_states",
+        "fluent._active_run_stack", "mlflow.tracking._tracking_service",
+    }  # fmt: skip
+    pattern = re.compile(r"\b(?:torch|mlflow|wandb|scaler|fluent|sys|threading)(?:\.\w+)*\._\w+")
+    root = Path(__file__).resolve().parents[1] / "gradtrack"
+    found = {
+        match.group(0)
+        for path in root.rglob("*.py")
+        for match in pattern.finditer(path.read_text())
+    }
+    unknown = sorted(f for f in found if not any(f.startswith(a) for a in allowed))
+    assert unknown == []
