@@ -286,7 +286,10 @@ def test_accelerator_path_latches_an_unlogged_nan_step_without_a_host_read() -> 
                 model(torch.randn(32, 8)).pow(2).mean().backward()
                 optimizer.step()
     assert recorder.ops["_local_scalar_dense"] == 0  # never a read that waits for a device
-    assert [r.step for r in sink.records] == [0, 10, 13, 20]
+    # 13: latched, read at step 20; 21 (the NaN weights keep every later step bad): the first
+    # bad step after the last logged one, read at close.
+    assert [r.step for r in sink.records] == [0, 10, 13, 20, 21]
+    assert not sink.records[-1].counted and math.isnan(sink.records[-1].total_norm)
     latched = sink.records[2]
     assert not latched.counted and latched.per_layer and not latched.abs_stats
     norms = dict(zip(latched.layers, latched.column("norm").tolist()))
