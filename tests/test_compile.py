@@ -76,6 +76,7 @@ def _watch_then_module_compile(model: nn.Module) -> tuple[nn.Module, gradtrack.W
 @pytest.mark.parametrize(
     "wrap", [_compile_then_watch, _watch_then_compile, _watch_then_module_compile]
 )
+@pytest.mark.slow
 def test_compiled_model_statistics_equal_eager_reference(
     wrap: Callable[[nn.Module], tuple[nn.Module, gradtrack.Watcher]],
 ) -> None:
@@ -101,6 +102,7 @@ def test_compiled_and_plain_model_are_one_watch() -> None:
     assert watcher_of(model) is None
 
 
+@pytest.mark.slow
 def test_activations_lost_to_a_later_compile_are_warned_about_once() -> None:
     torch._dynamo.reset()
     model = _model()

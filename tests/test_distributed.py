@@ -70,6 +70,7 @@ def _reference(
 
 
 @pytest.mark.parametrize("with_optimizer", [True, False], ids=["optimizer", "backward"])
+@pytest.mark.slow
 def test_ddp_rank0_writes_the_synchronized_gradient(tmp_path: Path, with_optimizer: bool) -> None:
     rank0, rank1 = _launch(workers.Case("ddp", with_optimizer=with_optimizer), tmp_path)
 
@@ -86,6 +87,7 @@ def test_ddp_rank0_writes_the_synchronized_gradient(tmp_path: Path, with_optimiz
     assert rank0["collectives_per_step"] == rank1["collectives_per_step"] == logged
 
 
+@pytest.mark.slow
 def test_ranks_left_uncoordinated_each_write_with_no_collective(tmp_path: Path) -> None:
     case = workers.Case("ddp", options={"distributed": {"enabled": False}})
     results = _launch(case, tmp_path)
@@ -98,6 +100,7 @@ def test_ranks_left_uncoordinated_each_write_with_no_collective(tmp_path: Path) 
             assert record.nonfinite_ranks is None
 
 
+@pytest.mark.slow
 def test_ddp_nan_on_one_rank_is_named_in_the_alert(tmp_path: Path) -> None:
     rank0, rank1 = _launch(workers.Case("ddp", nan_on_rank=1), tmp_path)
 
@@ -122,6 +125,7 @@ def test_ddp_nan_on_one_rank_is_named_in_the_alert(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("layout", "bad_rank"), [("ddp", 1), ("fsdp2", 0)])
+@pytest.mark.slow
 def test_a_raise_rule_stops_every_rank_at_the_same_step(
     tmp_path: Path, layout: str, bad_rank: int
 ) -> None:
@@ -136,6 +140,7 @@ def test_a_raise_rule_stops_every_rank_at_the_same_step(
     assert results[0]["raised"][0][1] == results[1]["raised"][0][1]  # rank 0's event
 
 
+@pytest.mark.slow
 def test_ddp_gather_ranks_writes_each_ranks_local_norms(tmp_path: Path) -> None:
     rank0, _ = _launch(workers.Case("ddp", gather_ranks=True), tmp_path)
 
@@ -153,6 +158,7 @@ def test_ddp_gather_ranks_writes_each_ranks_local_norms(tmp_path: Path) -> None:
     assert not np.allclose(first.rank_grad_norms[0], first.rank_grad_norms[1])
 
 
+@pytest.mark.slow
 def test_fsdp2_statistics_of_the_full_gradient_from_shards(tmp_path: Path) -> None:
     rank0, rank1 = _launch(workers.Case("fsdp2"), tmp_path)
 
@@ -165,6 +171,7 @@ def test_fsdp2_statistics_of_the_full_gradient_from_shards(tmp_path: Path) -> No
     assert rank0["collectives_per_step"] == rank1["collectives_per_step"] == logged
 
 
+@pytest.mark.slow
 def test_fsdp2_nan_counts_are_summed_over_shards(tmp_path: Path) -> None:
     rank0, _ = _launch(workers.Case("fsdp2", nan_on_rank=0), tmp_path)
 
@@ -187,12 +194,14 @@ def _torchrun(tmp_path: Path, nprocs: int, example: str, *args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
     stdout = _torchrun(tmp_path, 2, "ddp.py", "--steps", "30", "--backend", "console")
     assert "grad/total_norm" in stdout or "total" in stdout, stdout[-2000:]
     assert "rank 1" not in stdout  # one table, from rank 0
 
 
+@pytest.mark.slow
 def test_fsdp2_without_a_step_boundary_is_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(mp.ProcessRaisedException, match="needs optimizer="):
         _launch(workers.Case("fsdp2", with_optimizer=False), tmp_path)
@@ -226,6 +235,7 @@ def _assert_full_gradient_statistics(rank0: dict[str, Any], others: list[dict[st
         assert result["collectives_per_step"] == logged
 
 
+@pytest.mark.slow
 def test_fsdp2_over_tensor_parallel_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
     # (dp=2, tp=2): up Colwise, down Rowwise, the whole model fully_shard-ed over dp, so the
     # placements are (_StridedShard, Shard), (Shard, Shard), (Shard, Replicate), and the
@@ -244,6 +254,7 @@ def test_fsdp2_over_tensor_parallel_gives_the_full_gradients_statistics(tmp_path
             np.testing.assert_allclose(record.histograms[layer].edges, expected.edges)
 
 
+@pytest.mark.slow
 def test_hsdp_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
     # (replicate=2, shard=2): each piece is held twice; the replicas must not count double.
     histograms = {"histograms": {"every": workers.LOG_EVERY, "sample_size": 9}}
@@ -255,6 +266,7 @@ def test_hsdp_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
         assert set(record.histograms) == set(workers.MESH_LAYERS)
 
 
+@pytest.mark.slow
 def test_partial_gradients_are_refused_clearly_and_training_goes_on(tmp_path: Path) -> None:
     # SequenceParallel: the norm's weights are Replicate, their gradients Partial(sum).
     rank0, *_ = _launch(workers.Case("sp"), tmp_path)
@@ -266,6 +278,7 @@ def test_partial_gradients_are_refused_clearly_and_training_goes_on(tmp_path: Pa
     assert len(rank0["collectives_per_step"]) == workers.STEPS  # every step trained
 
 
+@pytest.mark.slow
 def test_tensor_parallel_alone_gives_the_full_gradients_statistics(tmp_path: Path) -> None:
     # tp=4: down's bias Replicate, the norm a plain parameter (rank 0's copy counts).
     rank0, *others = _launch(workers.Case("tp"), tmp_path)
@@ -280,6 +293,7 @@ def test_tensor_parallel_alone_gives_the_full_gradients_statistics(tmp_path: Pat
     assert rank0["elements_sent"] == [2 * tensors + 1, per_step + 53, per_step, per_step]
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_of_a_mesh_is_attributed_to_it(tmp_path: Path) -> None:
     rank0, *_ = _launch(workers.Case("hsdp", nan_on_rank=3), tmp_path)
 
@@ -293,6 +307,7 @@ def test_a_nan_on_one_rank_of_a_mesh_is_attributed_to_it(tmp_path: Path) -> None
     assert "rank(s) 3 (replicate=1, shard=1)" in event.message
 
 
+@pytest.mark.slow
 def test_fsdp2_over_tensor_parallel_example_runs_under_torchrun(tmp_path: Path) -> None:
     stdout = _torchrun(tmp_path, 4, "tp_fsdp.py", "--steps", "3", "--log-every", "2")
     assert stdout.count("gradtrack step") == 2, stdout[-2000:]  # steps 0 and 2, rank 0 only

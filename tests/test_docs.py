@@ -72,6 +72,7 @@ def test_every_block_runs_or_says_why_not() -> None:
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda block: block.name)
+@pytest.mark.slow
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     prelude = "" if block.page.name == "README.md" and block.page.parent == ROOT else DOCS_PRELUDE
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GRADTRACK_"))}

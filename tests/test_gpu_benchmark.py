@@ -29,6 +29,7 @@ CUDA_ONLY = ("syncs", "event_waits", "copies", "pinned", "host_allocs", "memory_
     ],
     ids=["stress", "bf16_transformer"],
 )
+@pytest.mark.slow
 def test_every_variant_is_measured_on_the_cpu(offline_wandb: Path, build: gpu.Build) -> None:
     with gpu.wandb_offline():
         rows = gpu.measure("tiny", build, CPU, rounds=2, steps=2, count_steps=2)
@@ -49,6 +50,7 @@ def test_every_variant_is_measured_on_the_cpu(offline_wandb: Path, build: gpu.Bu
     )
 
 
+@pytest.mark.slow
 def test_a_failing_variant_is_a_row_of_its_own(
     offline_wandb: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -84,6 +86,7 @@ def test_the_check_compares_counts_with_what_the_design_expects() -> None:
     assert check("wandb.watch", 7.0, 0.0, 7.0, 0.0) == "—"  # not gradtrack's to promise
 
 
+@pytest.mark.slow
 def test_main_prints_one_table_on_the_cpu(
     offline_wandb: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -96,6 +99,7 @@ def test_main_prints_one_table_on_the_cpu(
     assert [line.split(" | ")[1] for line in table] == list(gpu.VARIANTS)
 
 
+@pytest.mark.slow
 def test_without_cuda_it_says_so_in_one_line_and_exits_0() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(

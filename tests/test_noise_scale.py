@@ -46,6 +46,7 @@ def _accumulate(
     return sink, net
 
 
+@pytest.mark.slow
 def test_four_accumulation_steps_in_one_process_find_the_true_noise_scale() -> None:
     sink, net = _accumulate(micro_batches=4, size=16, log_every=1)
     _close(sink.records[-1], problem.truth(net))
@@ -55,6 +56,7 @@ def test_four_accumulation_steps_in_one_process_find_the_true_noise_scale() -> N
     assert sink.records[0].noise_scale is None  # step 0: accumulation not yet seen
 
 
+@pytest.mark.slow
 def test_two_ddp_ranks_find_it_with_no_collective_of_its_own(tmp_path: Path) -> None:
     mp.start_processes(
         problem.run_ddp, args=(free_port(), 32, tmp_path), nprocs=2, start_method="spawn"

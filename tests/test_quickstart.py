@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_quickstart_trains_and_prints_gradient_flow(tmp_path: Path) -> None:
     demo = ROOT / "examples" / "quickstart.py"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}

@@ -90,6 +90,7 @@ def test_no_spike_before_warmup_and_none_in_stable_training() -> None:
 
 
 @pytest.mark.parametrize("name", ["cnn", "mlp", "transformer"])
+@pytest.mark.slow
 def test_benchmark_models_train_100_steps_without_a_spike_alarm(name: str) -> None:
     torch.manual_seed(0)
     model, loss_fn = MODELS[name]()

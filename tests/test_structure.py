@@ -107,3 +107,22 @@ def test_classes_and_functions_stay_small() -> None:
                 if lines > MAX_FUNCTION_LINES:
                     too_long.append(f"function {name}.{node.name}: {lines} lines")
     assert too_long == []
+
+
+def test_every_temporary_directory_of_gradtrack_is_closed_by_a_with_block() -> None:
+    """pyproject.toml ignores the ResourceWarning of a TemporaryDirectory left to the garbage
+    collector (third-party code leaves some); gradtrack must never be the one."""
+    left_open = []
+    for name, path in sorted(MODULES.items()):
+        tree = ast.parse(path.read_text())
+        in_with = {
+            id(item.context_expr)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.With | ast.AsyncWith)
+            for item in node.items
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("TemporaryDirectory"):
+                if id(node) not in in_with:
+                    left_open.append(f"{name}:{node.lineno}")
+    assert left_open == []

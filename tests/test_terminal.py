@@ -70,6 +70,7 @@ def test_warn_action_warns_once_and_logs_nothing_more(caplog: pytest.LogCaptureF
 
 
 @pytest.mark.parametrize("backend", ["console", "memory"])
+@pytest.mark.slow
 def test_a_script_shows_a_nan_alert_once_whatever_the_backend(tmp_path: Path, backend: str) -> None:
     code = textwrap.dedent(
         f"""

@@ -198,6 +198,7 @@ class SlowSink(MemorySink):
         super().write(batch)
 
 
+@pytest.mark.slow
 def test_a_slow_sink_holds_up_only_its_own_delivery_thread() -> None:
     """A tracker 50 ms per write, a loop as fast as it runs: nothing lost at the defaults,
     and the training thread and the worker never wait on it."""

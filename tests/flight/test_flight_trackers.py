@@ -64,6 +64,7 @@ def train(model: Net, watcher: gradtrack.Watcher, optimizer: torch.optim.Optimiz
     return reference
 
 
+@pytest.mark.slow
 def test_a_nan_at_an_unlogged_step_leaves_the_256_steps_before_it_in_mlflow_and_wandb(
     tmp_path: Path, offline_wandb: Path, one_thread: None
 ) -> None:
@@ -143,6 +144,7 @@ def test_a_nan_at_an_unlogged_step_leaves_the_256_steps_before_it_in_mlflow_and_
 
 
 @pytest.mark.parametrize(("bound", "as_series"), [(99, True), (98, False)])
+@pytest.mark.slow
 def test_a_window_past_the_series_bound_goes_to_mlflow_as_its_artifact_only(
     tmp_path: Path, bound: int, as_series: bool
 ) -> None:

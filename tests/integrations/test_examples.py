@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("script", "layer"),
     [("lightning_callback.py", "net.2"), ("hf_trainer.py", "transformer.h.1.attn.c_attn")],
 )
+@pytest.mark.slow
 def test_example_runs(script: str, layer: str, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), "--steps", "12"],
@@ -34,6 +35,7 @@ def test_example_runs(script: str, layer: str, tmp_path: Path) -> None:
         ("transformers", ["transformers"], "gradtrack[transformers]"),
     ],
 )
+@pytest.mark.slow
 def test_a_missing_framework_names_the_extra_to_install(
     module: str, hidden: list[str], extra: str
 ) -> None:

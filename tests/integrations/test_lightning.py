@@ -109,6 +109,7 @@ def test_mixed_precision_gradients_are_reported_unscaled() -> None:
         assert record.amp_skipped is False
 
 
+@pytest.mark.slow
 def test_wandb_logger_run_receives_the_gradients(offline_wandb: Path) -> None:
     logger = WandbLogger(project="gradtrack-lightning", save_dir=str(offline_wandb), offline=True)
     _fit(GradtrackCallback(log_every=2, layer_every=1, histograms=False), logger=logger)
@@ -129,6 +130,7 @@ class Paced(Callback):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_at_lightnings_default_log_every_n_steps_every_step_is_in_its_run(
     offline_wandb: Path,
 ) -> None:
@@ -170,6 +172,7 @@ def test_at_lightnings_default_log_every_n_steps_every_step_is_in_its_run(
     assert behind and max(behind) <= 2 * 50 + hand_off, (behind, hand_off)
 
 
+@pytest.mark.slow
 def test_mlflow_logger_run_receives_the_gradients(mlflow_server: MlflowServer) -> None:
     logger = MLFlowLogger(experiment_name="gradtrack-lightning", tracking_uri=mlflow_server.uri)
     _fit(GradtrackCallback(log_every=3, layer_every=1, histograms=False), logger=logger)
@@ -180,6 +183,7 @@ def test_mlflow_logger_run_receives_the_gradients(mlflow_server: MlflowServer) -
     assert client.get_metric_history(logger.run_id, "train_loss")
 
 
+@pytest.mark.slow
 def test_tensorboard_logger_writer_receives_the_gradients(tmp_path: Path) -> None:
     """A TensorBoardLogger: gradtrack writes through its SummaryWriter, into its version's
     log dir, at Lightning's global steps, beside Lightning's own scalars."""
@@ -219,6 +223,7 @@ def test_bad_options_fail_when_the_callback_is_made() -> None:
         GradtrackCallback(log_every=0)
 
 
+@pytest.mark.slow
 def test_lightning_ddp_two_processes_rank0_writes_synchronized_gradients(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}

@@ -147,6 +147,7 @@ def test_gradients_are_seen_before_the_trainer_clips_them(tmp_path: Path) -> Non
     assert min(totals) > 0.1
 
 
+@pytest.mark.slow
 def test_report_to_wandb_writes_into_the_trainers_run(offline_wandb: Path) -> None:
     _train(
         offline_wandb,
@@ -173,6 +174,7 @@ class TrainerLogs(TrainerCallback):  # type: ignore[misc]
         self.logs.append({**logs, "step": state.global_step})
 
 
+@pytest.mark.slow
 def test_at_the_trainers_default_logging_steps_every_step_is_in_its_run(
     offline_wandb: Path,
 ) -> None:
@@ -219,6 +221,7 @@ def test_at_the_trainers_default_logging_steps_every_step_is_in_its_run(
     assert max(behind) <= 2 * 500 + hand_off, behind
 
 
+@pytest.mark.slow
 def test_report_to_mlflow_writes_into_the_trainers_run(
     tmp_path: Path, mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -239,6 +242,7 @@ def test_report_to_mlflow_writes_into_the_trainers_run(
     assert [m.step for m in history] == [m.step for m in loss] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_report_to_tensorboard_writes_into_the_trainers_log_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -261,6 +265,7 @@ def test_report_to_tensorboard_writes_into_the_trainers_log_dir(
     assert [s for s, _ in data.histograms["transformer.h.0.attn.c_attn"]] == [2, 4]
 
 
+@pytest.mark.slow
 def test_report_to_tensorboard_follows_tensorboard_logging_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -282,6 +287,7 @@ def test_a_resumed_run_continues_the_trainers_step_axis(tmp_path: Path) -> None:
     assert [r.step for r in sink.records] == [3, 4]  # the global steps after checkpoint-2
 
 
+@pytest.mark.slow
 def test_trainer_ddp_under_torchrun_rank0_writes_synchronized_gradients(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     torchrun = Path(sys.executable).with_name("torchrun")

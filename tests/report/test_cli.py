@@ -14,6 +14,7 @@ from gradtrack.cli import main
 from tests.report.conftest import ThreeRuns
 
 
+@pytest.mark.slow
 def test_version() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "gradtrack.cli", "--version"], capture_output=True, text=True
@@ -21,6 +22,7 @@ def test_version() -> None:
     assert result.returncode == 0 and result.stdout.strip() == f"gradtrack {gradtrack.__version__}"
 
 
+@pytest.mark.slow
 def test_layer_is_repeatable_and_never_swallows_the_runs(
     three_runs: ThreeRuns, tmp_path: Path
 ) -> None:

@@ -60,6 +60,7 @@ def two_runs(
     return {"uri": mlflow_server.uri, "ids": ids, "dirs": dirs, "root": root}
 
 
+@pytest.mark.slow
 def test_both_sources_rank_the_vanishing_layers_first_and_agree(two_runs: dict[str, Any]) -> None:
     uri = two_runs["uri"]
     from_mlflow = [read_run(f"compare/{name}", uri) for name in ("healthy", "vanishing")]
@@ -113,6 +114,7 @@ def chromium_console(html: Path, screenshot: Path, profile: Path) -> str:
     return "\n".join(line for line in result.stderr.splitlines() if ":CONSOLE" in line)
 
 
+@pytest.mark.slow
 def test_report_html_opens_cleanly_and_its_pngs_have_content(
     two_runs: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -146,6 +148,7 @@ def test_report_html_opens_cleanly_and_its_pngs_have_content(
     assert "report-broken" in chromium_console(broken, tmp_path / "b.png", tmp_path / "p2")
 
 
+@pytest.mark.slow
 def test_report_of_one_run(two_runs: dict[str, Any], tmp_path: Path) -> None:
     from gradtrack.cli import main
 

@@ -27,6 +27,7 @@ def compare_json(runs: ThreeRuns, *more: str) -> tuple[int, dict[str, Any], str]
     return result.returncode, json.loads(result.stdout), result.stderr
 
 
+@pytest.mark.slow
 def test_compare_json_names_the_nudged_step_and_layer_and_the_nan_step(
     three_runs: ThreeRuns,
 ) -> None:
@@ -71,6 +72,7 @@ def test_compare_json_names_the_nudged_step_and_layer_and_the_nan_step(
     assert [e["first_step"] for e in ranking[1:]] == [30, 30, 30]
 
 
+@pytest.mark.slow
 def test_parity_is_exact_and_fails_only_when_runs_part(three_runs: ThreeRuns) -> None:
     code, summary, _ = compare_json(three_runs, "--parity")
     assert code == 1 and summary["rtol"] == 0.0
@@ -84,6 +86,7 @@ def test_parity_is_exact_and_fails_only_when_runs_part(three_runs: ThreeRuns) ->
     assert pair["first_divergence"] is None and "never part" in pair["text"]
 
 
+@pytest.mark.slow
 def test_wandb_runs_give_the_same_findings(three_runs: ThreeRuns) -> None:
     from_mlflow = [read_run(three_runs.ids[n], three_runs.uri) for n in ("base", "nudged", "nan")]
     from_wandb = [read_run(str(three_runs.dirs[n]), None) for n in ("base", "nudged", "nan")]

@@ -59,6 +59,7 @@ def test_every_mlflow_run_carries_its_pictures(three_runs: ThreeRuns, tmp_path: 
     assert client.list_artifacts(three_runs.ids["base"], "gradtrack/histograms")
 
 
+@pytest.mark.slow
 def test_every_wandb_run_carries_its_pictures_as_summary_images(three_runs: ThreeRuns) -> None:
     for run_dir in three_runs.dirs.values():
         images = {
@@ -93,6 +94,7 @@ def images_loaded(html: Path, tmp_path: Path) -> str:
     return found[0]
 
 
+@pytest.mark.slow
 def test_the_report_opens_in_chromium_with_every_image_loaded(
     three_runs: ThreeRuns, tmp_path: Path
 ) -> None:
@@ -217,6 +219,7 @@ def pictures_of(client: object, run_id: str) -> set[str]:
     return {Path(f.path).name for f in listed}
 
 
+@pytest.mark.slow
 def test_pictures_every_n_steps_reach_mlflow_before_close_and_can_be_turned_off(
     mlflow_server: object,
 ) -> None:

@@ -54,6 +54,7 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", ["healthy", "vanishing"])
+@pytest.mark.slow
 def test_a_tensorboard_run_reads_back_as_the_same_run_in_mlflow(
     both: dict[str, Any], name: str
 ) -> None:
@@ -78,6 +79,7 @@ def test_a_tensorboard_run_reads_back_as_the_same_run_in_mlflow(
         assert from_tb.first_nonfinite() == from_mlflow.first_nonfinite() == (24, "4")
 
 
+@pytest.mark.slow
 def test_compare_a_tensorboard_run_with_an_mlflow_run(both: dict[str, Any], tmp_path: Path) -> None:
     healthy_tb, vanishing_mlflow = str(both["dirs"]["healthy"]), "tb/vanishing"
     ranked_mixed = rank_layers(
@@ -104,6 +106,7 @@ def test_compare_a_tensorboard_run_with_an_mlflow_run(both: dict[str, Any], tmp_
     assert same.returncode == 0, same.stdout + same.stderr
 
 
+@pytest.mark.slow
 def test_report_of_a_tensorboard_run(both: dict[str, Any], tmp_path: Path) -> None:
     from gradtrack.cli import main
 

@@ -99,6 +99,7 @@ def _get(url: str, path: str) -> Any:
         return None
 
 
+@pytest.mark.slow
 def test_tensorboards_dashboard_shows_gradtracks_histograms(
     tensorboard_server: tuple[str, Path, MemorySink], tmp_path: Path
 ) -> None:

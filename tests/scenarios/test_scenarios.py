@@ -149,6 +149,7 @@ CONTROLS = {
 
 
 @pytest.mark.parametrize("name", list(CONTROLS))
+@pytest.mark.slow
 def test_healthy_models_raise_no_warning_or_error_in_150_steps(name: str) -> None:
     if name.startswith("hf_"):
         pytest.importorskip("transformers")
@@ -200,6 +201,7 @@ def test_a_collapsing_cnn_is_told_the_learning_rate_within_30_steps(lr: float, s
     assert all(f"learning-rate alert of step {event.step}" in e.message for e in later)
 
 
+@pytest.mark.slow
 def test_the_same_cnn_at_a_lower_rate_converges_and_raises_nothing() -> None:
     torch.manual_seed(0)
     run = m.train(
@@ -211,6 +213,7 @@ def test_the_same_cnn_at_a_lower_rate_converges_and_raises_nothing() -> None:
     assert run.loud() == []
 
 
+@pytest.mark.slow
 def test_a_deep_llama_without_warmup_is_told_the_learning_rate() -> None:
     pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -41,6 +41,7 @@ def stored(uri: str, run_id: str) -> list[int]:
     return sorted(m.step for m in history)
 
 
+@pytest.mark.slow
 def test_6000_steps_at_log_every_1_into_a_cold_sqlite_file_are_all_stored_at_close(
     tmp_path: Path,
 ) -> None:
@@ -60,6 +61,7 @@ def test_6000_steps_at_log_every_1_into_a_cold_sqlite_file_are_all_stored_at_clo
     print(out.strip())
 
 
+@pytest.mark.slow
 def test_a_trainer_killed_mid_run_loses_at_most_its_last_second_and_sync_delivers_the_rest(
     tmp_path: Path,
 ) -> None:

@@ -48,6 +48,7 @@ def assert_same_series(got: list[tuple[int, float]], expected: list[tuple[int, f
         assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_round_trip_through_a_tracking_server(mlflow_server: MlflowServer) -> None:
     torch.manual_seed(0)
     model = SmallCNN()
@@ -106,6 +107,7 @@ def test_an_active_run_is_reused_and_left_open(mlflow_server: MlflowServer) -> N
         mlflow.set_tracking_uri(None)
 
 
+@pytest.mark.slow
 def test_embedded_default_is_mlflow_db_in_the_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -126,6 +128,7 @@ def test_embedded_default_is_mlflow_db_in_the_working_directory(
     ]
 
 
+@pytest.mark.slow
 def test_per_layer_series_every_layer_every_steps_and_nonfinite_steps_in_full(
     tmp_path: Path,
 ) -> None:
@@ -148,6 +151,7 @@ def test_per_layer_series_every_layer_every_steps_and_nonfinite_steps_in_full(
     assert [s for s, _ in got["grad_max/7"]] == [0, 6, 8, 10]
 
 
+@pytest.mark.slow
 def test_steps_go_out_every_send_every_s_alerts_within_a_second_and_at_flush(
     tmp_path: Path,
 ) -> None:
@@ -195,6 +199,7 @@ def outage_config(uri: str, **more: Any) -> dict[str, Any]:
     return {"tracking_uri": uri, "retry_max_s": 1.0, "request_timeout_s": 2.0, **more}
 
 
+@pytest.mark.slow
 def test_server_down_at_start_then_killed_and_restarted_loses_nothing(tmp_path: Path) -> None:
     server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)  # not started yet
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -236,6 +241,7 @@ def test_server_down_at_start_then_killed_and_restarted_loses_nothing(tmp_path: 
         server.stop()
 
 
+@pytest.mark.slow
 def test_the_spool_is_the_only_backlog_an_outage_drops_nothing(tmp_path: Path) -> None:
     """The sink has no buffer of its own (``max_buffered_steps`` only warns that it is
     gone): every step of an outage waits in the spool and reaches MLflow once it is back."""
@@ -263,6 +269,7 @@ def test_the_spool_is_the_only_backlog_an_outage_drops_nothing(tmp_path: Path) -
         server.stop()
 
 
+@pytest.mark.slow
 def test_close_waits_at_most_the_flush_timeout_for_an_unreachable_server() -> None:
     model = nn.Linear(4, 1)
     uri = f"http://127.0.0.1:{free_port()}"
@@ -284,6 +291,7 @@ def test_close_waits_at_most_the_flush_timeout_for_an_unreachable_server() -> No
     assert waited_s < 2.0 + 5.0  # the bound is flush_timeout_s; the rest is slack for a busy box
 
 
+@pytest.mark.slow
 def test_keys_mlflow_refuses_are_mapped_not_lost(mlflow_server: MlflowServer) -> None:
     model = nn.ModuleDict({"enc@0": nn.Linear(2, 2), "head[1]": nn.Linear(2, 1)})
     with gradtrack.watch(
@@ -294,6 +302,7 @@ def test_keys_mlflow_refuses_are_mapped_not_lost(mlflow_server: MlflowServer) ->
     assert {"grad_norm/enc_0", "grad_norm/head_1_"} <= set(run.data.metrics)
 
 
+@pytest.mark.slow
 def test_missing_mlflow_names_the_extra_to_install() -> None:
     assert "pip install gradtrack[mlflow]" in watch_without("mlflow")
 
@@ -311,6 +320,7 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     server.stop()
 
 
+@pytest.mark.slow
 def test_round_trip_with_a_postgresql_backend_store(postgres_server: MlflowServer) -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     memory = MemorySink()

@@ -114,6 +114,7 @@ def assert_nowhere(secret: str, texts: Iterable[str], places: Iterable[Path]) ->
         assert secret.encode() not in file.read_bytes(), file
 
 
+@pytest.mark.slow
 def test_with_credentials_every_step_reaches_an_authenticated_server(
     server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, staging: Path
 ) -> None:
@@ -130,6 +131,7 @@ def test_with_credentials_every_step_reaches_an_authenticated_server(
     assert_nowhere(password, stored, [server.root / "mlflow.db", server.root / "artifacts"])
 
 
+@pytest.mark.slow
 def test_without_credentials_one_message_names_the_variables_and_sync_delivers_every_step(
     server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, tmp_path: Path
 ) -> None:
@@ -161,6 +163,7 @@ def test_without_credentials_one_message_names_the_variables_and_sync_delivers_e
     assert_nowhere(credentials["MLFLOW_TRACKING_PASSWORD"], outputs, places)
 
 
+@pytest.mark.slow
 def test_a_user_without_permission_is_told_which_and_sync_delivers_once_it_is_granted(
     server: AuthMlflowServer, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, staging: Path
 ) -> None:
@@ -222,6 +225,7 @@ def test_the_admin_password_rotates_as_documented(
         assert admin.get_user("admin").is_admin
 
 
+@pytest.mark.slow
 def test_a_private_ca_is_trusted_through_mlflow_variable_and_named_when_missing(
     tls_server: TlsMlflowServer,
     monkeypatch: pytest.MonkeyPatch,
@@ -246,6 +250,7 @@ def test_a_private_ca_is_trusted_through_mlflow_variable_and_named_when_missing(
     assert stored_steps(tls_server.uri, run.info.run_id) == list(range(10))
 
 
+@pytest.mark.slow
 def test_the_compose_auth_config_keeps_users_in_postgres_without_a_password_in_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spool_in_tmp: Path, staging: Path
 ) -> None:

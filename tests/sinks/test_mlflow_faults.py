@@ -73,6 +73,7 @@ def assert_every_step_stored_once(watcher: gradtrack.Watcher, uri: str) -> None:
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.slow
 def test_every_step_stored_once_through_a_server_fault(tmp_path: Path, fault: str) -> None:
     inject, running = FAULTS[fault]
     server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)
@@ -85,6 +86,7 @@ def test_every_step_stored_once_through_a_server_fault(tmp_path: Path, fault: st
         server.stop()
 
 
+@pytest.mark.slow
 def test_every_step_stored_once_through_a_locked_sqlite_store(tmp_path: Path) -> None:
     """The embedded default store, locked by another process for 15 s mid-run (MLflow's
     store waits on the lock, so the sink's writes block meanwhile: the steps wait)."""
@@ -97,6 +99,7 @@ def test_every_step_stored_once_through_a_locked_sqlite_store(tmp_path: Path) ->
     assert_every_step_stored_once(watcher, uri)
 
 
+@pytest.mark.slow
 def test_a_cold_start_loses_nothing_in_a_tight_loop(tmp_path: Path) -> None:
     """A fresh interpreter (mlflow not yet imported) and a fresh embedded store: importing
     MLflow and creating its tables take seconds while the loop runs as fast as it can."""

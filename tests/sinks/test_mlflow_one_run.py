@@ -36,6 +36,7 @@ def all_run_ids(client: mlflow.MlflowClient) -> set[str]:
     return {run.info.run_id for run in client.search_runs(experiments)}
 
 
+@pytest.mark.slow
 def test_users_log_metric_lands_in_gradtracks_run(
     mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,6 +68,7 @@ def test_users_log_metric_lands_in_gradtracks_run(
     mlflow.set_tracking_uri(None)
 
 
+@pytest.mark.slow
 def test_a_run_left_undelivered_is_let_go_so_the_next_run_is_new(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -89,6 +91,7 @@ def test_a_run_left_undelivered_is_let_go_so_the_next_run_is_new(
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_script_without_logging_setup_shows_the_run_and_the_report_command(
     tmp_path: Path,
 ) -> None:
@@ -121,6 +124,7 @@ def test_a_script_without_logging_setup_shows_the_run_and_the_report_command(
     assert all_run_ids(store) == {run_id}
 
 
+@pytest.mark.slow
 def test_a_failed_script_whose_close_runs_out_of_time_is_not_marked_finished(
     tmp_path: Path,
 ) -> None:

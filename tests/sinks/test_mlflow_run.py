@@ -22,6 +22,7 @@ from tests.sinks.test_mlflow import train
 mlflow = pytest.importorskip("mlflow")
 
 
+@pytest.mark.slow
 def test_two_models_in_one_run_keep_their_alerts_histograms_and_tags(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
@@ -61,6 +62,7 @@ def test_two_models_in_one_run_keep_their_alerts_histograms_and_tags(tmp_path: P
         ("raise KeyboardInterrupt", "KILLED"),
     ],
 )
+@pytest.mark.slow
 def test_a_run_gradtrack_started_ends_with_how_training_ended(
     tmp_path: Path, ending: str, status: str
 ) -> None:
@@ -88,6 +90,7 @@ def test_a_run_gradtrack_started_ends_with_how_training_ended(
     assert run.info.status == status, result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_an_exception_inside_the_with_block_marks_the_run_failed(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     model = nn.Linear(3, 1)
@@ -113,6 +116,7 @@ def open_files_under(directory: Path) -> list[str]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux only: reads /proc")
+@pytest.mark.slow
 def test_close_leaves_no_file_of_the_embedded_store_open(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     model = nn.Linear(3, 1)
@@ -122,6 +126,7 @@ def test_close_leaves_no_file_of_the_embedded_store_open(tmp_path: Path) -> None
     assert open_files_under(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_nan_at_an_unlogged_step_reaches_mlflow_as_that_step(tmp_path: Path) -> None:
     """The defaults (log_every=10): a NaN at step 13 is stored as step 13, not 20."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

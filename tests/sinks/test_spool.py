@@ -113,6 +113,7 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_a_spool_carrying_a_pickle_payload_is_a_clear_error_and_runs_nothing(
     tmp_path: Path,
 ) -> None:
@@ -134,6 +135,7 @@ def test_a_spool_carrying_a_pickle_payload_is_a_clear_error_and_runs_nothing(
     assert path.exists()  # kept: nothing is deleted on a bad read
 
 
+@pytest.mark.slow
 def test_a_spool_of_the_old_pickle_format_names_its_version_and_runs_nothing(
     tmp_path: Path,
 ) -> None:
@@ -175,6 +177,7 @@ def test_a_spool_in_use_cannot_be_opened_twice(tmp_path: Path) -> None:
     Spool(spool.path, 1 << 30).close()
 
 
+@pytest.mark.slow
 def test_past_its_disk_bound_the_spool_drops_counts_and_warns(
     tmp_path: Path, spool_in_tmp: Path
 ) -> None:
@@ -236,6 +239,7 @@ def stored_steps(uri: str, run_id: str | None = None) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, "grad/total_norm"))
 
 
+@pytest.mark.slow
 def test_a_killed_process_leaves_its_steps_and_sync_delivers_them_once(
     tmp_path: Path, spool_in_tmp: Path
 ) -> None:
@@ -257,6 +261,7 @@ def test_a_killed_process_leaves_its_steps_and_sync_delivers_them_once(
         server.stop()
 
 
+@pytest.mark.slow
 def test_resent_items_after_a_crash_are_stored_once(tmp_path: Path) -> None:
     """A tracker may hold a batch whose confirmation never reached the disk (the process died
     in between): that spool is a copy taken before delivery, pointed at the run the first
@@ -292,6 +297,7 @@ def test_resent_items_after_a_crash_are_stored_once(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_close_that_times_out_names_the_sync_command_which_delivers_the_rest(
     tmp_path: Path, spool_in_tmp: Path
 ) -> None:
@@ -318,6 +324,7 @@ def test_a_close_that_times_out_names_the_sync_command_which_delivers_the_rest(
         server.stop()
 
 
+@pytest.mark.slow
 def test_without_the_spool_steps_wait_in_memory_and_no_folder_is_made(
     tmp_path: Path, spool_in_tmp: Path
 ) -> None:
@@ -335,6 +342,7 @@ def test_without_the_spool_steps_wait_in_memory_and_no_folder_is_made(
     assert stored_steps(uri, watcher.sinks[0].run_id) == [0, 10, 20]
 
 
+@pytest.mark.slow
 def test_sync_of_something_that_is_no_spool_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a spool")
     result = sync_cli(tmp_path / "a-file")
@@ -344,6 +352,7 @@ def test_sync_of_something_that_is_no_spool_is_a_clear_error(tmp_path: Path) -> 
     assert empty.returncode == 0 and "nothing to sync" in empty.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_close_waits_keeps_the_spool_and_says_where(
     tmp_path: Path, spool_in_tmp: Path
 ) -> None:

@@ -109,6 +109,7 @@ def test_every_key_at_every_step_and_histograms_are_gradtracks_bins(
             assert value.max == histogram.edges[-1] and value.num == histogram.counts.sum()
 
 
+@pytest.mark.slow
 def test_alerts_are_text_summaries_and_pictures_are_images(tmp_path: Path, in_tmp: None) -> None:
     pytest.importorskip("matplotlib")
     memory = MemorySink()
@@ -141,6 +142,7 @@ def test_a_summary_writer_passed_as_backend_is_written_through_and_left_open(
     assert [e.step for e in acc.Scalars("user/after_close")] == [100]
 
 
+@pytest.mark.slow
 def test_default_log_dir_is_summary_writers_and_model_name_keys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -154,6 +156,7 @@ def test_default_log_dir_is_summary_writers_and_model_name_keys(
     assert "grad_hist/critic/0" in tags["histograms"]
 
 
+@pytest.mark.slow
 def test_without_the_extra_the_error_names_it() -> None:
     assert "pip install gradtrack[tensorboard]" in watch_without("tensorboard")
 
@@ -179,6 +182,7 @@ CHILD = """
 """
 
 
+@pytest.mark.slow
 def test_exit_without_close_loses_nothing(tmp_path: Path) -> None:
     code = CHILD.format(log_dir=str(tmp_path / "tb"), steps=400, before="")
     result = run_python(textwrap.dedent(code), tmp_path, timeout_s=120)
@@ -189,6 +193,7 @@ def test_exit_without_close_loses_nothing(tmp_path: Path) -> None:
     assert [e.step for e in acc.Histograms("grad_hist/0")] == list(range(0, 400, 5))
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_reported_once_and_training_goes_on(tmp_path: Path) -> None:
     """The event file may grow to 64 KiB only (RLIMIT_FSIZE: the write fails with EFBIG, as
     a full disk fails it with ENOSPC): one warning, training ends normally, the other sink

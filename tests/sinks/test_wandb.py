@@ -55,6 +55,7 @@ def train_cnn(
 
 
 @pytest.mark.parametrize("user_steps", ["explicit", "implicit"])
+@pytest.mark.slow
 def test_offline_run_holds_every_step_histogram_alert_and_the_users_rows(
     offline: Path, user_steps: str
 ) -> None:
@@ -134,6 +135,7 @@ def test_offline_run_holds_every_step_histogram_alert_and_the_users_rows(
     assert metrics["grad_norm/*"]["step_metric"] == "gradtrack/step"
 
 
+@pytest.mark.slow
 def test_a_rule_tripping_in_every_layer_is_one_alert_per_step(offline: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(60) for m in (nn.Linear(8, 8), nn.Sigmoid())])
@@ -155,6 +157,7 @@ def test_a_rule_tripping_in_every_layer_is_one_alert_per_step(offline: Path) -> 
     assert alerts[0]["title"].endswith(f" and {len(events[0].layers) - 1} more layers")
 
 
+@pytest.mark.slow
 def test_gradtrack_starts_its_own_run_and_finishes_only_that(offline: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     config = {"wandb": wandb_options(offline, name="own-run")}
@@ -176,6 +179,7 @@ def test_gradtrack_starts_its_own_run_and_finishes_only_that(offline: Path) -> N
     run.finish()
 
 
+@pytest.mark.slow
 def test_two_runs_in_one_process(offline: Path) -> None:
     for name in ("first", "second"):
         model = nn.Linear(3, 1)
@@ -192,6 +196,7 @@ def test_two_runs_in_one_process(offline: Path) -> None:
     assert all(len(history(read_records(d))) == 2 for d in dirs)
 
 
+@pytest.mark.slow
 def test_two_models_in_one_run_keep_their_own_keys_and_steps(offline: Path) -> None:
     generator, critic = nn.Linear(3, 3), nn.Linear(3, 1)
     run = wandb.init(project="gradtrack-tests")
@@ -229,6 +234,7 @@ def test_finishing_the_run_before_closing_never_breaks_training(offline: Path) -
     assert watcher.sink_errors["0:WandbSink"] >= 1
 
 
+@pytest.mark.slow
 def test_log_scale_histograms_of_bf16_gradients(offline: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).to(torch.bfloat16)
     options = wandb_options(offline)
@@ -246,10 +252,12 @@ def test_log_scale_histograms_of_bf16_gradients(offline: Path) -> None:
     assert sum(row["grad_hist/0.values"]) == magnitudes.numel()  # every non-zero element
 
 
+@pytest.mark.slow
 def test_missing_wandb_names_the_extra_to_install() -> None:
     assert "pip install gradtrack[wandb]" in watch_without("wandb")
 
 
+@pytest.mark.slow
 def test_sink_constructs_without_importing_wandb() -> None:
     code = "import sys, gradtrack; gradtrack.sinks.WandbSink(); print('wandb' in sys.modules)"
     result = subprocess.run(
@@ -259,6 +267,7 @@ def test_sink_constructs_without_importing_wandb() -> None:
     assert WandbSink  # the class is part of gradtrack.sinks
 
 
+@pytest.mark.slow
 def test_a_watcher_never_closed_is_flushed_at_exit(offline: Path) -> None:
     code = textwrap.dedent(
         """

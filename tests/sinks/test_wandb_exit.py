@@ -63,6 +63,7 @@ def run_script(offline: Path, name: str, steps: int) -> None:
 
 @pytest.mark.parametrize("name", list(SCRIPTS))
 @pytest.mark.parametrize("steps", [300, 25])
+@pytest.mark.slow
 def test_exit_without_close_delivers_every_step_at_the_defaults(
     offline_wandb: Path, name: str, steps: int
 ) -> None:
@@ -84,6 +85,7 @@ def test_exit_without_close_delivers_every_step_at_the_defaults(
     assert [e.get("exit_code", 0) for e in of_type(records, "exit")] == [0]
 
 
+@pytest.mark.slow
 def test_open_watchers_are_closed_before_any_atexit_hook(tmp_path: Path) -> None:
     """An atexit hook registered after watch() (as W&B registers its service's teardown when
     a run starts) runs after the watcher was closed and its sink had every step."""

@@ -35,6 +35,7 @@ def test_redacted_config_drops_userinfo_and_secret_named_fields() -> None:
     }
 
 
+@pytest.mark.slow
 def test_a_password_in_the_mlflow_uri_reaches_no_file_of_the_run(
     offline_wandb: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

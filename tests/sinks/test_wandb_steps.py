@@ -124,6 +124,7 @@ CADENCES = [1, 10, 100, NEVER]
 @pytest.mark.parametrize("log_every", [1, 10])
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "implicit"])
 @pytest.mark.parametrize("every", CADENCES, ids=lambda e: f"user-every-{e}" if e else "never")
+@pytest.mark.slow
 def test_at_10ms_per_step_every_step_is_in_the_run_and_charts_stay_current(
     offline: Path, every: int, explicit: bool, log_every: int
 ) -> None:
@@ -139,6 +140,7 @@ def test_at_10ms_per_step_every_step_is_in_the_run_and_charts_stay_current(
 @pytest.mark.parametrize("log_every", [1, 10])
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "implicit"])
 @pytest.mark.parametrize("every", CADENCES, ids=lambda e: f"user-every-{e}" if e else "never")
+@pytest.mark.slow
 def test_at_full_speed_every_step_is_in_the_run_and_the_users_rows_untouched(
     offline: Path, every: int, explicit: bool, log_every: int
 ) -> None:
@@ -148,6 +150,7 @@ def test_at_full_speed_every_step_is_in_the_run_and_the_users_rows_untouched(
     every_step_read_back(loop, steps, log_every)
 
 
+@pytest.mark.slow
 def test_a_run_of_gradtracks_own_gets_a_row_per_step_until_the_user_logs_too(
     offline: Path,
 ) -> None:
