@@ -53,8 +53,11 @@ class MicroBatchNorms:
         self._n_tensors = len(params)
         self._is_due = is_due
         self.backwards = 0
-        self._sums: list[Tensor | None] = [None] * len(params)
-        self._any = False  # whether a hook added to ``_sums`` since the last take
+        # Each incoming gradient's norm (one kernel in the hook) and its tensor's index; the
+        # squares are summed per tensor at the step's end, in three batched kernels.
+        self._norms: list[Tensor] = []
+        self._tensors: list[int] = []
+        self._index_cache: tuple[tuple[int, ...], Tensor] | None = None
         self.handles: list[RemovableHandle] = []
         self._hooked = False
         if self._params:
@@ -84,19 +87,25 @@ class MicroBatchNorms:
         if grad.is_sparse:
             grad = grad.coalesce()._values()
         with torch.no_grad():
-            square = torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype)).square()
-            total = self._sums[index]
-            self._sums[index] = square if total is None else total + square
-            self._any = True
+            self._norms.append(torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype)))
+        self._tensors.append(index)
 
     def take(self) -> Tensor | None:
         """float64 [tensors]: the step's sums of squared micro-batch gradients (0 where a
         tensor had none); None if no hook ran."""
-        if not self._any:
+        if not self._norms:
             return None
-        sums, self._sums, self._any = self._sums, [None] * self._n_tensors, False
+        norms, tensors, self._norms, self._tensors = self._norms, self._tensors, [], []
         device = self._params[0].device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return torch.stack(
-            [zero if s is None else s.to(device, torch.float64, non_blocking=True) for s in sums]
-        )
+        squares = torch.stack([n.to(device, torch.float64, non_blocking=True) for n in norms])
+        index = self._index_on(tuple(tensors), device)
+        sums = torch.zeros(self._n_tensors, dtype=torch.float64, device=device)
+        return sums.index_add_(0, index, squares.square())
+
+    def _index_on(self, tensors: tuple[int, ...], device: torch.device) -> Tensor:
+        """The hooks' tensor order on the device, made once: each backward calls them in the
+        same order, and a copy from a host list to an accelerator waits for its stream."""
+        cached = self._index_cache
+        if cached is None or cached[0] != tensors or cached[1].device != device:
+            cached = self._index_cache = (tensors, torch.tensor(tensors, device=device))
+        return cached[1]
