@@ -43,8 +43,9 @@ class MicroBatchNorms:
     tensor's squared incoming gradient — a hook before accumulation into ``.grad`` sees the
     micro-batch's own contribution, so no gradient is copied.
 
-    Its per-tensor hooks go on only once a step was seen to take several backward passes:
-    a run without accumulation pays one hook call per backward.
+    Its per-tensor hooks are on only during the steps that are due (put on at the end of
+    the step before, taken off at their end), once a step was seen to take several backward
+    passes: other steps, and a run without accumulation, pay one hook call per backward.
     """
 
     def __init__(self, params: list[nn.Parameter], is_due: Callable[[], bool]) -> None:
@@ -59,7 +60,8 @@ class MicroBatchNorms:
         self._tensors: list[int] = []
         self._index_cache: tuple[tuple[int, ...], Tensor] | None = None
         self.handles: list[RemovableHandle] = []
-        self._hooked = False
+        self._per_tensor: list[RemovableHandle] = []  # on for a due step only
+        self._accumulates = False  # a step took several backward passes
         if self._params:
             first = self._params[0]
             self.handles.append(first.register_post_accumulate_grad_hook(self._backward))
@@ -68,22 +70,25 @@ class MicroBatchNorms:
         self.backwards += 1
 
     def end_step(self) -> int:
-        """The step's backward passes; hook every tensor once a step had several."""
+        """The step's backward passes; each tensor hooked for the next step if it is due."""
         backwards, self.backwards = self.backwards, 0
-        if backwards > 1 and not self._hooked:
-            self._hooked = True
+        self._accumulates = self._accumulates or backwards > 1
+        due = self._accumulates and self._is_due()
+        if due and not self._per_tensor:
             for param in self._params:
                 index = self._index[id(param)]
-                self.handles.append(param.register_hook(lambda g, i=index: self._add(i, g)))
+                self._per_tensor.append(param.register_hook(lambda g, i=index: self._add(i, g)))
+        elif not due and self._per_tensor:
+            self.remove()
         return backwards
 
-    @property
-    def hooked(self) -> bool:
-        return self._hooked
+    def remove(self) -> None:
+        """Take the per-tensor hooks off (the backward counter is in ``handles``)."""
+        for handle in self._per_tensor:
+            handle.remove()
+        self._per_tensor.clear()
 
     def _add(self, index: int, grad: Tensor) -> None:
-        if not self._is_due():
-            return
         if grad.is_sparse:
             grad = grad.coalesce()._values()
         with torch.no_grad():

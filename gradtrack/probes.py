@@ -190,6 +190,7 @@ class Probes:
         self.handles.clear()
         if self.micro is not None:
             self.micro.handles.clear()
+            self.micro.remove()
         if self.order is not None:
             self.order.remove()
             self.order = None
