@@ -90,9 +90,11 @@ def test_mlflow_active_run_stack_holds_this_threads_runs(tmp_path: Path) -> None
     import mlflow
     from mlflow.tracking import fluent
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    try:
-        with mlflow.start_run() as run:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    try:  # (its own experiment: an earlier test may have left one active in MLflow's globals)
+        experiment = mlflow.MlflowClient(uri).create_experiment("contract")
+        with mlflow.start_run(experiment_id=experiment) as run:
             stack = fluent._active_run_stack.get()
             assert isinstance(stack, list) and stack[-1].info.run_id == run.info.run_id
             stack.pop()
