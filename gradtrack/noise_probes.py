@@ -83,7 +83,8 @@ class MicroBatchNorms:
         return backwards
 
     def remove(self) -> None:
-        """Take the per-tensor hooks off (the backward counter is in ``handles``)."""
+        """Take the per-tensor hooks off (the backward counter is in ``handles``, which the
+        owner removes with its own)."""
         for handle in self._per_tensor:
             handle.remove()
         self._per_tensor.clear()

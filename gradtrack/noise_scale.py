@@ -27,6 +27,7 @@ import numpy as np
 
 from gradtrack.collect import TensorIndex
 from gradtrack.config import NoiseScaleOptions
+from gradtrack.distributed import rank_layer_norms
 from gradtrack.evidence import HostEvidence
 from gradtrack.log import logger
 
@@ -125,11 +126,10 @@ class StepNoise:
         examples, backwards = batch
         n_layers = len(self._position)
         if self._world_size > 1 and len(evidence.rank_norms):
-            local = evidence.rank_norms.reshape(self._world_size, -1) ** 2
-            per_layer = np.stack(
-                [np.bincount(self._tensor_layer, row, minlength=n_layers) for row in local]
-            ).mean(axis=0)
-            small = np.concatenate([[local.sum(axis=1).mean()], per_layer])
+            local = evidence.rank_norms.reshape(self._world_size, -1)
+            per_layer = rank_layer_norms(local, self._tensor_layer, n_layers) ** 2
+            total = (local**2).sum(axis=1).mean()
+            small = np.concatenate([[total], per_layer.mean(axis=0)])
             b_small: float = self.options.batch_size or examples
             b_big = b_small * self._world_size
         elif len(evidence.micro_squares) and backwards > 1:

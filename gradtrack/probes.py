@@ -139,6 +139,7 @@ class Probes:
             self.handles.append(self.batches.handle)
         if ranks is None and self.accumulation is None:
             self.micro = MicroBatchNorms(collector.params, self._is_due)
+            self.handles.extend(self.micro.handles)
 
     def backward_order(self) -> list[int] | None:
         """The order layers' gradients became ready in, once: learnt from the first backward."""
@@ -185,11 +186,10 @@ class Probes:
 
     def remove(self) -> None:
         """Remove every hook and wrapper."""
-        for handle in (*self.handles, *(() if self.micro is None else self.micro.handles)):
+        for handle in self.handles:
             handle.remove()
         self.handles.clear()
         if self.micro is not None:
-            self.micro.handles.clear()
             self.micro.remove()
         if self.order is not None:
             self.order.remove()
