@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import MemorySink, MlflowSink
 from tests.sinks.mlflow_server import MlflowServer, lock_sqlite
 

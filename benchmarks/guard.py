@@ -13,20 +13,22 @@ the machine's noise falls on every variant alike, the median time of:
   fp64 on the CPU, over/underflow redone in fp64);
 - logged step: the guard plus a logged step's collection (NaN/Inf counts, the host hand-off),
   without max/mean |g|; and a per-layer step (with them);
-- guard+spike: the guard with the every-step spike statistics (`gradtrack.spike`: layer norms
+- guard+spike: the guard with the every-step spike statistics (`gradtrack.capture.spike`: layer
+  norms
   from the guard's, the window's z-scores), as default watching runs it at every step;
-- guard+spike+flight: that and the flight recorder (`gradtrack.flight`): the step's layer
+- guard+spike+flight: that and the flight recorder (`gradtrack.capture.flight_ring`): the step's
+  layer
   norms copied into the ring, and every 10th step (``log_every``) the steps since the last
   hand-off taken for the logged step's copy; "flight alone" times the recorder by itself on
   the layer norms the spike rule computes anyway, also as a share of one backward (the
   median of 5), and the ring's memory ((K + 1) × (1 + layers) × 8 bytes) in KiB;
-- guard+skip: that, read on the host and judged by the skip rules (`gradtrack.skip`), as
+- guard+skip: that, read on the host and judged by the skip rules (`gradtrack.capture.skip`), as
   every step runs with ``action="skip"``;
-- update signals: what ``update_signals=True`` adds to a logged step (`gradtrack.updates`:
+- update signals: what ``update_signals=True`` adds to a logged step (`gradtrack.capture.updates`:
   copy the weights into the reused buffer and take their norms, then the update's norms).
   Its memory is one copy of the trainable parameters, printed in MiB;
 - sampled updates: what the default (``update_signals="sampled"``) adds to a logged step
-  (`gradtrack.update_sample`: the weights' norms, a strided copy of each tensor's sample,
+  (`gradtrack.capture.update_sample`: the weights' norms, a strided copy of each tensor's sample,
   then its difference's norms), and the memory its samples keep, in MiB.
 
 Ratios are to the floor. The training step itself is given for scale.
@@ -43,12 +45,13 @@ import torch
 
 import gradtrack
 from benchmarks.models import MODELS
-from gradtrack.flight import FlightRecorder
+from gradtrack.capture.flight_ring import FlightRecorder
+from gradtrack.capture.skip import SkipPolicy
+from gradtrack.capture.spike import LayerNorms, NormWindow, on_host
+from gradtrack.capture.update_sample import SampledUpdateProbe
+from gradtrack.capture.updates import UpdateProbe
+from gradtrack.handoff.layout import spike_fields
 from gradtrack.sinks import MemorySink
-from gradtrack.skip import SkipPolicy
-from gradtrack.spike import LayerNorms, NormWindow, on_host, spike_fields
-from gradtrack.update_sample import SampledUpdateProbe
-from gradtrack.updates import UpdateProbe
 
 
 def measure(name: str, reps: int) -> dict[str, float]:
@@ -84,7 +87,7 @@ def measure(name: str, reps: int) -> dict[str, float]:
     layer_norms = LayerNorms(collector.index.tensor_layer, len(names))
     spikes = NormWindow(len(names), 128, 32, [6.0] * (1 + len(names)), [3.0] * (1 + len(names)),
                         [True] * (1 + len(names)))  # fmt: skip
-    policy = SkipPolicy(watcher.alert_engine, names, max_consecutive=5)
+    policy = SkipPolicy(watcher.config.alerts, names, max_consecutive=5)
 
     def guard_spike() -> None:
         checked = collector.guard(exact=False)

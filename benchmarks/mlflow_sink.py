@@ -24,7 +24,7 @@ import torch
 import gradtrack
 from benchmarks.models import MODELS, LossFn
 from gradtrack.formats.metrics import scalar_metrics
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import MemorySink, MlflowSink
 from tests.sinks.mlflow_server import MlflowServer
 

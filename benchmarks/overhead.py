@@ -119,7 +119,7 @@ VARIANTS: dict[str, Setup] = {
     # gradtrack's every-step guard alone: no step is ever logged, so what remains is the
     # one exact L2 pass (and finite check) it makes at every step.
     "guard": gradtrack_variant(log_every=10**9, histograms=False),
-    # The same without the every-step spike statistics (on by default: `gradtrack.spike`).
+    # The same without the every-step spike statistics (on by default: `gradtrack.capture.spike`).
     "guard,no spike": gradtrack_variant(
         log_every=10**9, histograms=False, alerts={"spike": {"enabled": False}}
     ),

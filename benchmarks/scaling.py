@@ -23,7 +23,7 @@ from torch import nn
 
 import gradtrack
 from gradtrack.alerts import AlertEvent
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import MemorySink
 
 

@@ -30,11 +30,11 @@ from typing import TypeVar
 import numpy as np
 
 import gradtrack
-from gradtrack.courier import SpooledCourier, yield_cpu_to_training
+from gradtrack.delivery.courier import SpooledCourier, yield_cpu_to_training
+from gradtrack.delivery.spool import Spool
 from gradtrack.formats.metrics import scalar_metrics
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import MlflowSink
-from gradtrack.spool import Spool
 from tests.sinks.mlflow_server import MlflowServer
 
 T = TypeVar("T")

@@ -10,22 +10,25 @@
 
 from __future__ import annotations
 
+from gradtrack import _moved
 from gradtrack.alerts import AlertEvent
 from gradtrack.api import unwatch, watch
 from gradtrack.config import GradtrackConfig
+from gradtrack.config.rules import AlertRules
 from gradtrack.errors import (
     GradientAlertError,
     GradientWarning,
     GradtrackConfigError,
     GradtrackError,
 )
-from gradtrack.histogram import Histogram
-from gradtrack.record import LayerStats, StepRecord
-from gradtrack.rules import AlertRules
+from gradtrack.formats.histogram import Histogram
+from gradtrack.formats.record import LayerStats, StepRecord
 from gradtrack.sinks import GradientSink, register_sink
 from gradtrack.watcher import Watcher
 
 __version__ = "0.1.0"
+
+_moved.install()  # the old flat module paths, for one release
 
 __all__ = [
     "AlertEvent",

@@ -147,9 +147,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_sync(spools: list[Path], timeout_s: float) -> int:
+    from gradtrack.delivery.spool import default_root
+    from gradtrack.delivery.sync import spools_under, sync
     from gradtrack.log import show_in_terminal
-    from gradtrack.spool import default_root
-    from gradtrack.sync import spools_under, sync
 
     show_in_terminal()
     paths = [p for root in spools or [default_root()] for p in spools_under(root)]

@@ -2,9 +2,10 @@
 points, flush and close.
 
 Built by `gradtrack.watch`; closing it removes every hook it added and flushes the sinks. One
-step's data flows one way: the hooks (`gradtrack.probes`) end a step, the `Stepper` guards,
-judges and collects it (`gradtrack.collect`), the worker assembles it (`gradtrack.assemble`),
-runs the rules and delivers it (`gradtrack.worker`, `gradtrack.spool`, `gradtrack.courier`).
+step's data flows one way, through one package per thread: the hooks
+(`gradtrack.capture.probes`) end a step, the `Stepper` guards, judges and collects it
+(`gradtrack.capture`) and hands it over (`gradtrack.handoff`); the worker assembles it, runs
+the rules (`gradtrack.worker`) and delivers it (`gradtrack.delivery`).
 """
 
 from __future__ import annotations
@@ -19,30 +20,31 @@ from torch import nn
 
 from gradtrack import lifecycle
 from gradtrack.alerts import AlertEngine, AlertEvent
-from gradtrack.assemble import Assembler
-from gradtrack.collect import Collector
-from gradtrack.config import GradtrackConfig
-from gradtrack.distributed import is_dtensor, rank_group
-from gradtrack.drops import DropCount
-from gradtrack.errors import GradtrackError
-from gradtrack.layers import (
+from gradtrack.capture.collect import Collector
+from gradtrack.capture.distributed import is_dtensor, rank_group
+from gradtrack.capture.layers import (
     activation_modules,
     discover_layers,
     layer_kinds,
     saturating_layers,
     unwrap_model,
 )
+from gradtrack.capture.probes import Probes, StepSource
+from gradtrack.capture.schedule import StepSchedule
+from gradtrack.capture.step_signals import build_signals
+from gradtrack.capture.stepper import Stepper
+from gradtrack.capture.verdict import StepJudge
+from gradtrack.config import GradtrackConfig
+from gradtrack.errors import GradientAlertError, GradtrackError
+from gradtrack.handoff.drops import DropCount
+from gradtrack.handoff.mailbox import Mailbox
+from gradtrack.handoff.pending import AssembledStep, PendingStep
 from gradtrack.lifecycle import Outcome, outcome_of
 from gradtrack.log import logger, report, warn
-from gradtrack.mailbox import Mailbox
-from gradtrack.probes import Probes, StepSource
-from gradtrack.schedule import StepSchedule
-from gradtrack.signals import build_signals
 from gradtrack.sinks.base import GradientSink
 from gradtrack.sinks.build import finish_in_caller_thread
-from gradtrack.stepper import Stepper
-from gradtrack.verdict import StepJudge
-from gradtrack.worker import Worker
+from gradtrack.worker.assemble import Assembler
+from gradtrack.worker.thread import Worker
 
 AlertCallback = Callable[[AlertEvent], None]
 
@@ -122,14 +124,16 @@ class Watcher:
         config = self.config
         # The guard's verdict is read at every step unless each rank sees only its shards
         # (FSDP2): unlogged steps would need a collective, so the logged steps judge.
-        every_step = self.ranks is None or self.ranks.layout == "replicated"
+        replicated = self.ranks is not None and self.ranks.layout == "replicated"
+        every_step = self.ranks is None or replicated
         own_steps = own_steps and self._steps == "auto"
-        signals = build_signals(config, self.alert_engine, self.collector, own_steps, every_step)
+        signals = build_signals(config, self.collector, own_steps, every_step)
         raises = "raise" in config.alerts.actions()
         self.judge = StepJudge(self.collector, signals, raises, every_step, self._collect_failed)
         self.assembler = Assembler(
-            self.collector.index, config, self.alert_engine, self.activation_names, self.ranks,
-            drops=self.drops, mesh=self.collector.mesh,
+            self.collector.index, config, self.alert_engine, self.activation_names,
+            world_size=self.ranks.world_size if self.ranks and replicated else 0, drops=self.drops,
+            mesh=None if self.collector.mesh is None else self.collector.mesh.places,
         )  # fmt: skip
         self.worker = Worker(
             self.assembler, sinks, self.mailbox, config, on_alert=on_alert, drops=self.drops
@@ -137,9 +141,19 @@ class Watcher:
         self.probes = Probes()
         self.schedule = StepSchedule(config)
         self.stepper = Stepper(
-            self.collector, self.schedule, self.judge, signals, self.probes, self.assembler,
-            self.mailbox, self.alert_engine, self.ranks, self._collect_failed,
+            self.collector, self.schedule, self.judge, signals, self.probes, self._judge_now,
+            self.mailbox, self.ranks, self._collect_failed,
         )  # fmt: skip
+
+    def _judge_now(self, pending: PendingStep) -> tuple[AssembledStep, GradientAlertError | None]:
+        """A raise rule's judgement, in the training thread: the step's record and alerts, and
+        the error the first raising alert makes."""
+        assembled = self.assembler.assemble(pending)
+        for event in assembled.events:
+            rule = self.alert_engine.rule(event.rule, event.layer)
+            if rule.action == "raise" and event.severity != "info":
+                return assembled, GradientAlertError(event)
+        return assembled, None
 
     # -- public state -------------------------------------------------------------------
     @property

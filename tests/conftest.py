@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradtrack.record import ABS_STATS, STAT_COLUMNS, StepRecord
+from gradtrack.formats.record import ABS_STATS, STAT_COLUMNS, StepRecord
 from tests.sinks.mlflow_server import MlflowServer
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradtrack
-from gradtrack.distributed import RankGroup, is_dtensor
+from gradtrack.capture.distributed import RankGroup, is_dtensor
 from gradtrack.sinks.memory import MemorySink
 from tests.conftest import reference_stats
 

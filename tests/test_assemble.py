@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from gradtrack.alerts import AlertEngine
-from gradtrack.assemble import Assembler, PendingStep
-from gradtrack.collect import Collector
+from gradtrack.capture.collect import Collector
+from gradtrack.capture.latch import BadStepLatch
+from gradtrack.capture.layers import discover_layers
 from gradtrack.config import GradtrackConfig
-from gradtrack.evidence import StepEvidence
-from gradtrack.latch import BadStepLatch
-from gradtrack.layers import discover_layers
+from gradtrack.handoff.evidence import StepEvidence
+from gradtrack.handoff.pending import PendingStep
+from gradtrack.worker.assemble import Assembler
 
 
 def _parts(model: nn.Module, config: GradtrackConfig) -> tuple[Collector, Assembler]:
@@ -95,7 +96,7 @@ def test_a_latched_bad_step_leads_the_logged_step_it_rode_with() -> None:
 def test_a_record_spooled_before_layer_detail_reads_the_same() -> None:
     import pickle
 
-    from gradtrack.record import StepRecord
+    from gradtrack.formats.record import StepRecord
 
     record = StepRecord(1, 0.0, ("fc",), np.zeros((1, 7)), 1.0, layer_detail="norms")
     old_state = {k: v for k, v in vars(record).items() if k != "layer_detail"}

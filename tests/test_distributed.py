@@ -20,8 +20,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from gradtrack.formats.histogram import bin_samples
 from gradtrack.formats.metrics import scalar_metrics
-from gradtrack.histogram import bin_samples
 from tests import distributed_workers as workers
 from tests.conftest import assert_record_matches, reference_stats
 from tests.sinks.mlflow_server import free_port

@@ -218,7 +218,7 @@ def test_a_failing_histogram_mocked_costs_only_the_histograms(
     def broken(*_: object) -> None:
         raise ValueError("binning broke")
 
-    monkeypatch.setattr("gradtrack.assemble.bin_samples", broken)
+    monkeypatch.setattr("gradtrack.worker.assemble.bin_samples", broken)
     with pytest.warns(RuntimeWarning, match="could not build the histograms") as caught:
         sink = single_layer_step(
             torch.full((100,), 5.0), steps=3, log_every=1, histograms={"every": 1},

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.capture.layers import discover_layers
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
-from gradtrack.layers import discover_layers
 
 
 class Encoder(nn.Module):

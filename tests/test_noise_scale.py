@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 from pydantic import ValidationError
 
 import gradtrack
+from gradtrack.delivery.codec import decode, encode
 from gradtrack.formats.metrics import scalar_metrics
-from gradtrack.noise_scale import NoiseScale
 from gradtrack.sinks import MemorySink
-from gradtrack.spool_codec import decode, encode
+from gradtrack.worker.noise_scale import NoiseScale
 from tests import noise_scale_problem as problem
 from tests.sinks.mlflow_server import free_port
 

@@ -81,7 +81,7 @@ def test_a_large_output_gradient_is_not_held_and_the_event_says_so(
     to 16 bytes) the probe keeps no reference, and a backward-made NaN is not pinned."""
     from tests.test_alerts import deep_model
 
-    monkeypatch.setattr("gradtrack.origin.MAX_KEPT_OUTPUT_GRAD_BYTES", 16)
+    monkeypatch.setattr("gradtrack.capture.origin.MAX_KEPT_OUTPUT_GRAD_BYTES", 16)
     model = deep_model()
     sink = MemorySink()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -102,7 +102,7 @@ def test_a_bad_step_reads_its_flags_back_once_not_once_per_tensor(
 ) -> None:
     """On an accelerator each ``.cpu()`` is a wait for the device: the weights' check and
     the replay's per-module flags are read in one copy per device."""
-    from gradtrack.origin import _read, nonfinite_weight_layers
+    from gradtrack.capture.origin import _read, nonfinite_weight_layers
 
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
     with torch.no_grad():

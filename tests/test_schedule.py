@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
+from gradtrack.capture.schedule import DenseEarly, extra_steps_bound, layer_schedule
 from gradtrack.config import GradtrackConfig
-from gradtrack.schedule import DenseEarly, extra_steps_bound, layer_schedule
 
 
 def due_steps(schedule: object, total: int, log_every: int) -> list[int]:

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.capture.skip import read_journal
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.sinks import MemorySink
-from gradtrack.skip import read_journal
 
 Optimizers = Callable[[nn.Module], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, Optimizers] = {

@@ -12,8 +12,9 @@ from torch import nn
 
 import gradtrack
 from benchmarks.models import MODELS
+from gradtrack.capture.spike import NormWindow
+from gradtrack.handoff.layout import spike_fields
 from gradtrack.sinks import MemorySink
-from gradtrack.spike import NormWindow, spike_fields
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.record import StepRecord
+from gradtrack.capture.stats import PACK_BELOW_ELEMENTS, sample_bounds, sample_elements
+from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import MemorySink
-from gradtrack.stats import PACK_BELOW_ELEMENTS, sample_bounds, sample_elements
 from tests.conftest import assert_record_matches, reference_stats
 
 COUNT_STRATEGIES = {"foreach_only": True, "cpu_kernels": False}

@@ -69,15 +69,45 @@ def test_imports_go_one_way() -> None:
     assert _cycle() is None, " -> ".join(_cycle() or [])
 
 
-# Packages and the ones above them, which they must never import.
+# Packages and the ones above them, which they must never import. The threads, one way:
+# the training thread (capture) hands steps through handoff to the worker, which hands records
+# and alerts to delivery and the sinks; nothing flows back.
 ABOVE = {
-    "gradtrack.formats": ("gradtrack.report", "gradtrack.sinks"),
+    "gradtrack.capture": (
+        "gradtrack.worker",
+        "gradtrack.alerts",
+        "gradtrack.delivery",
+        "gradtrack.sinks",
+        "gradtrack.watcher",
+        "gradtrack.api",
+    ),
+    "gradtrack.handoff": ("gradtrack.capture", "gradtrack.worker", "gradtrack.delivery"),
+    "gradtrack.worker": ("gradtrack.capture", "gradtrack.watcher", "gradtrack.api"),
+    "gradtrack.delivery": ("gradtrack.capture", "gradtrack.worker", "gradtrack.watcher"),
+    "gradtrack.alerts": ("gradtrack.capture", "gradtrack.worker", "gradtrack.delivery"),
+    "gradtrack.formats": ("gradtrack.report", "gradtrack.sinks", "gradtrack.worker"),
+    "gradtrack.config": ("gradtrack.capture", "gradtrack.worker", "gradtrack.sinks"),
     "gradtrack.report": ("gradtrack.sinks", "gradtrack.worker", "gradtrack.watcher"),
     "gradtrack.sinks": ("gradtrack.worker", "gradtrack.watcher", "gradtrack.api"),
-    "gradtrack.assemble": ("gradtrack.worker", "gradtrack.courier", "gradtrack.sinks"),
-    "gradtrack.collect": ("gradtrack.assemble", "gradtrack.worker", "gradtrack.watcher"),
     "gradtrack.integrations": ("gradtrack.cli",),
 }
+
+# The top of the package: the entry points and what every thread shares; everything else
+# lives in the package of the thread that runs it (docs/architecture.md).
+TOP_LEVEL = {
+    "__init__", "_moved", "api", "cli", "disabled", "errors", "extras", "lifecycle", "log",
+    "watcher",
+}  # fmt: skip
+PACKAGES = {
+    "alerts", "capture", "config", "delivery", "formats", "handoff", "integrations", "report",
+    "sinks", "worker",
+}  # fmt: skip
+
+
+def test_the_package_shows_its_threads() -> None:
+    modules = {path.stem for path in PACKAGE.glob("*.py")}
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert (modules, packages) == (TOP_LEVEL, PACKAGES)
 
 
 @pytest.mark.parametrize("layer", sorted(ABOVE))
@@ -126,3 +156,16 @@ def test_every_temporary_directory_of_gradtrack_is_closed_by_a_with_block() -> N
                 if id(node) not in in_with:
                     left_open.append(f"{name}:{node.lineno}")
     assert left_open == []
+
+
+@pytest.mark.parametrize("old", ["skip", "signals", "record", "spool", "stats", "mailbox"])
+def test_old_module_paths_still_import_for_one_release(old: str) -> None:
+    import importlib
+    import sys
+
+    from gradtrack._moved import MOVED
+
+    sys.modules.pop(f"gradtrack.{old}", None)
+    with pytest.warns(DeprecationWarning, match=f"gradtrack.{old} moved to gradtrack.{MOVED[old]}"):
+        module = importlib.import_module(f"gradtrack.{old}")
+    assert module is importlib.import_module(f"gradtrack.{MOVED[old]}")

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.capture.update_sample import Lattice, SampledUpdateProbe
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.sinks import MemorySink
-from gradtrack.update_sample import Lattice, SampledUpdateProbe
 from tests.conftest import SmallCNN, cnn_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")

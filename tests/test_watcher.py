@@ -14,7 +14,7 @@ from torch import nn
 
 import gradtrack
 from gradtrack.formats.metrics import scalar_metrics
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import MemorySink
 from tests.conftest import SmallCNN, assert_record_matches, cnn_batch, reference_stats
 

@@ -8,6 +8,6 @@ Each message carries a diagnosis — the likely cause and what to try — from t
 """
 
 from gradtrack.alerts.engine import AlertEngine
-from gradtrack.alerts.event import AlertEvent, Stage
+from gradtrack.formats.event import AlertEvent, Stage
 
 __all__ = ["AlertEngine", "AlertEvent", "Stage"]

@@ -1,6 +1,6 @@
 """`BackwardOrder`: which layer, and which pass, a step's non-finite gradient is blamed on.
 
-A replay (`gradtrack.origin`) or the weights check names it when it ran; otherwise the
+A replay (`gradtrack.capture.origin`) or the weights check names it when it ran; otherwise the
 non-finite layer nearest the loss — the first whose gradient became ready in backward.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gradtrack.alerts.event import Stage
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import Stage
+from gradtrack.formats.record import StepRecord
 
 
 class BackwardOrder:

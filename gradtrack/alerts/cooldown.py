@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.rulebook import RuleBook
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.record import StepRecord
 
 
 class Cooldowns:

@@ -9,10 +9,10 @@ import numpy as np
 
 from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.patience import Runs
 from gradtrack.alerts.rulebook import RuleBook
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.record import StepRecord
 
 _SATURATED = (
     "Likely: saturated tanh/sigmoid units — their derivative is exactly 0 in "
@@ -32,7 +32,7 @@ _DYING_RELU = (
 
 class DeadCheck(Check):
     """``saturating``: per layer (depth order), whether zero gradients there read as
-    saturated tanh/sigmoid rather than dead ReLUs (`gradtrack.layers.saturating_layers`)."""
+    saturated tanh/sigmoid rather than dead ReLUs (`gradtrack.capture.layers.saturating_layers`)."""
 
     def __init__(self, book: RuleBook, cooldowns: Cooldowns, saturating: Sequence[bool]) -> None:
         super().__init__(book, cooldowns)

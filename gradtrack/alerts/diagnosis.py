@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gradtrack.alerts.event import Stage
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import Stage
+from gradtrack.formats.record import StepRecord
 
 # The seed's fix column: an eps or a clamp on the op that made it, a GradScaler under fp16.
 _FIX = (

@@ -16,7 +16,6 @@ from gradtrack.alerts.amp import AmpCheck
 from gradtrack.alerts.blame import BackwardOrder
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.dead import DeadCheck
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.exploding import ExplodingCheck
 from gradtrack.alerts.flow import FlowCheck
 from gradtrack.alerts.jump import JumpCheck
@@ -30,8 +29,9 @@ from gradtrack.alerts.spikes import SpikeCheck
 from gradtrack.alerts.story import Story
 from gradtrack.alerts.update_ratio import UpdateRatioCheck
 from gradtrack.alerts.vanishing import VanishingCheck
-from gradtrack.record import StepRecord
-from gradtrack.rules import AlertRules
+from gradtrack.config.rules import AlertRules
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.record import StepRecord
 
 
 class AlertEngine:
@@ -45,9 +45,10 @@ class AlertEngine:
         kinds: Sequence[str] | None = None,
         saturating: Sequence[bool] | None = None,
     ) -> None:
-        """``kinds``: per layer, what it is compared with (`gradtrack.layers.layer_kinds`;
+        """``kinds``: per layer, what it is compared with (`gradtrack.capture.layers.layer_kinds`;
         default: all alike); ``saturating``: per layer, whether zero gradients there read as
-        saturated tanh/sigmoid rather than dead ReLUs (`gradtrack.layers.saturating_layers`)."""
+        saturated tanh/sigmoid rather than dead ReLUs
+        (`gradtrack.capture.layers.saturating_layers`)."""
         self.rank = rank
         self._book = RuleBook(rules, depth_order)
         cooldowns = Cooldowns(self._book, rank)

@@ -9,10 +9,10 @@ import numpy as np
 
 from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.kinds import LayerKinds
 from gradtrack.alerts.rulebook import RuleBook
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.record import StepRecord
 
 
 class Envelope(NamedTuple):

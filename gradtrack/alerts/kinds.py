@@ -1,5 +1,6 @@
 """`LayerKinds`: what each layer is compared with by the rules that compare layers (``jump``,
-``flow``) — its module type, or per parameter its role (`gradtrack.layers.layer_kinds`)."""
+``flow``) — its module type, or per parameter its role
+(`gradtrack.capture.layers.layer_kinds`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gradtrack.layers import SPARSE_KINDS
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.layout import SPARSE_KINDS
 
 
 class LayerKinds:

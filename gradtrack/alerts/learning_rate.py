@@ -16,11 +16,11 @@ import numpy as np
 
 from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.alerts.story import Incident, Story
 from gradtrack.alerts.wording import listed
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.record import StepRecord
 
 MOST_MOVED = 3  # layers an event names as those that moved most
 _TRY = (

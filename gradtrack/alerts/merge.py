@@ -6,9 +6,9 @@ one finding, and a tracker that notifies per alert must see it once.
 
 from __future__ import annotations
 
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.alerts.wording import listed
+from gradtrack.formats.event import AlertEvent
 
 
 def merge_layers(events: list[AlertEvent], book: RuleBook) -> list[AlertEvent]:

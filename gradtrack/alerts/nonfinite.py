@@ -13,10 +13,10 @@ from gradtrack.alerts.blame import BackwardOrder
 from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.diagnosis import nonfinite_diagnosis
-from gradtrack.alerts.event import AlertEvent, Stage
 from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.alerts.wording import SHOWN_LAYERS, listed
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import AlertEvent, Stage
+from gradtrack.formats.record import StepRecord
 
 
 class NonFiniteCheck(Check):

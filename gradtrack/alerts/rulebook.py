@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from gradtrack.record import StepRecord
-from gradtrack.rules import AlertRules
+from gradtrack.config.rules import AlertRules
+from gradtrack.formats.record import StepRecord
 
 
 class RuleBook:

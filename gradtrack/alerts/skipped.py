@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.rulebook import RuleBook
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.record import StepRecord
 
 
 def told_skipped(

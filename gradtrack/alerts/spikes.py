@@ -1,5 +1,5 @@
 """The ``spike`` rule: the total or a layer's gradient norm far above its recent typical
-value, as `gradtrack.spike.NormWindow` flagged it on the device."""
+value, as `gradtrack.capture.spike.NormWindow` flagged it on the device."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import math
 import numpy as np
 
 from gradtrack.alerts.check import Check
-from gradtrack.alerts.event import AlertEvent
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.record import StepRecord
 
 
 class SpikeCheck(Check):
     """Words the spikes of a step; the window's statistics come with the record."""
 
     def check(self, record: StepRecord) -> list[AlertEvent]:
-        """The columns `gradtrack.spike.NormWindow` flagged at this step, on the device (every
+        """The columns `gradtrack.capture.spike.NormWindow` flagged at this step, on the device
+        (every
         step; a step between logged ones reaches here when it spiked)."""
         if record.spiking is None or record.spike_z is None or record.spike_typical is None:
             return []

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.wording import listed
+from gradtrack.formats.event import AlertEvent
 
 # How long after its alert an incident still explains what follows (steps).
 INCIDENT_STEPS = 1000

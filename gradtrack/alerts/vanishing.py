@@ -7,10 +7,10 @@ import numpy as np
 
 from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
-from gradtrack.alerts.event import AlertEvent
 from gradtrack.alerts.patience import Runs
 from gradtrack.alerts.rulebook import RuleBook
-from gradtrack.record import StepRecord
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.record import StepRecord
 
 
 class VanishingCheck(Check):

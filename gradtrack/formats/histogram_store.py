@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gradtrack.histogram import Histogram
+from gradtrack.formats.histogram import Histogram
 
 HistogramEntry = tuple[int, str, Histogram]
 

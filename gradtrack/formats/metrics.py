@@ -13,7 +13,7 @@ from gradtrack.formats.keys import (
     UPDATE_KEY_PREFIX,
     metric_key,
 )
-from gradtrack.record import ABS_STATS, StepRecord
+from gradtrack.formats.record import ABS_STATS, StepRecord
 
 
 def scalar_metrics(record: StepRecord) -> dict[str, float]:

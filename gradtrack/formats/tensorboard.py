@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from gradtrack.alerts import AlertEvent
+from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.wandb import HIST_FAMILY, PICTURES_FAMILY
-from gradtrack.histogram import Histogram
 
 __all__ = ["HIST_FAMILY", "PICTURES_FAMILY"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gradtrack.histogram import Histogram
+from gradtrack.formats.histogram import Histogram
 
 STEPS_DIR = PurePosixPath("gradtrack", "steps")  # inside the run's files
 PART_PREFIX = "steps-"

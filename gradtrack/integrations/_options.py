@@ -9,8 +9,8 @@ import torch
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.api import open_watcher
+from gradtrack.capture.probes import StepSource
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
-from gradtrack.probes import StepSource
 from gradtrack.sinks.base import GradientSink
 from gradtrack.watcher import Watcher
 

@@ -15,8 +15,8 @@ from typing import TypeVar
 import numpy as np
 
 from gradtrack.alerts import AlertEvent
-from gradtrack.histogram import Histogram
-from gradtrack.record import StepRecord
+from gradtrack.formats.histogram import Histogram
+from gradtrack.formats.record import StepRecord
 from gradtrack.report.data import Alert, RunData
 
 T = TypeVar("T")

@@ -9,6 +9,7 @@ from typing import Any
 
 from gradtrack.errors import GradtrackError
 from gradtrack.extras import require_module
+from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.keys import FAMILIES
 from gradtrack.formats.tensorboard import (
     ALERTS_TAG,
@@ -18,7 +19,6 @@ from gradtrack.formats.tensorboard import (
     histogram_from_buckets,
     parse_alert_line,
 )
-from gradtrack.histogram import Histogram
 from gradtrack.report.data import Alert, Progress, RunData, from_series, parse_alert_text
 
 _SCALAR_FAMILIES = {*FAMILIES} - {"act_grad_norm"}

@@ -21,10 +21,10 @@ import numpy as np
 from gradtrack.errors import GradtrackError
 from gradtrack.extras import require_module
 from gradtrack.formats.flight import is_window, read_windows_dir
+from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.keys import FAMILIES
 from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY
 from gradtrack.formats.wandb_steps import HistogramSeries, Series, is_part, read_dir
-from gradtrack.histogram import Histogram
 from gradtrack.report.data import Progress, RunData, from_series, parse_alert_text
 
 _BLOCK = 32 * 1024

@@ -2,7 +2,7 @@
 sinks delivered from the spool, and the name → factory registry.
 
 No sink is ever called from the training thread: each has a courier thread of its own
-(`gradtrack.courier`) that makes every call to it, in order.
+(`gradtrack.delivery.courier`) that makes every call to it, in order.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 
 
 @runtime_checkable
@@ -36,7 +36,7 @@ class GradientSink(Protocol):
 
 class TrackerSink:
     """A sink that reaches a tracker which may be away (a server, a database): it is
-    delivered from the run's spool by a `gradtrack.courier.SpooledCourier`, the one place
+    delivered from the run's spool by a `gradtrack.delivery.courier.SpooledCourier`, the one place
     that retries, and keeps no backlog of its own.
 
     The contract: `send` returns once the tracker holds the batch — metrics, tags and any

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from gradtrack.alerts import AlertEvent
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 
 
 def format_table(record: StepRecord) -> str:

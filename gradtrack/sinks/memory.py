@@ -9,9 +9,9 @@ import threading
 from collections.abc import Sequence
 
 from gradtrack.alerts import AlertEvent
+from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.metrics import scalar_metrics
-from gradtrack.histogram import Histogram
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 from gradtrack.sinks.flight_files import window_series
 
 

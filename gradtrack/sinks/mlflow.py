@@ -25,6 +25,7 @@ from typing import Any
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
+from gradtrack.config.redact import redact
 from gradtrack.extras import require_module
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
 from gradtrack.formats.histogram_store import write_chunk
@@ -39,9 +40,8 @@ from gradtrack.formats.mlflow import (
     artifact_path,
     tag_key,
 )
+from gradtrack.formats.record import StepRecord
 from gradtrack.log import warn
-from gradtrack.record import StepRecord
-from gradtrack.redact import redact
 from gradtrack.sinks.base import TrackerSink
 from gradtrack.sinks.flight_files import stage_window, window_series
 from gradtrack.sinks.mlflow_auth import refusal_message

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from gradtrack import lifecycle
 from gradtrack.config import MlflowOptions
+from gradtrack.config.redact import redact
 from gradtrack.log import logger, warn
-from gradtrack.redact import redact
 from gradtrack.sinks.mlflow_tracking import Tracking, connect
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gradtrack.alerts import AlertEvent
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 
 
 class RunBook:

@@ -25,6 +25,7 @@ from gradtrack.errors import GradtrackError
 from gradtrack.extras import require_module
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.record import StepRecord
 from gradtrack.formats.tensorboard import (
     ALERTS_TAG,
     HIST_FAMILY,
@@ -35,7 +36,6 @@ from gradtrack.formats.tensorboard import (
     layers_text,
     raw_histogram,
 )
-from gradtrack.record import StepRecord
 from gradtrack.sinks.runbook import RunBook
 
 

@@ -24,9 +24,9 @@ from gradtrack.extras import require_module
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.record import StepRecord
 from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY, PICTURES_FAMILY, PROFILE_FAMILY
 from gradtrack.formats.wandb_steps import step_line
-from gradtrack.record import StepRecord
 from gradtrack.sinks.flight_files import stage_window
 from gradtrack.sinks.runbook import RunBook
 from gradtrack.sinks.wandb_file import StepFiles

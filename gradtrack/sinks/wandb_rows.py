@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gradtrack.record import StepRecord
+from gradtrack.formats.record import StepRecord
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run

@@ -244,7 +244,7 @@ def test_pictures_every_n_steps_reach_mlflow_before_close_and_can_be_turned_off(
 
 
 def test_the_kept_history_is_bounded_and_keeps_the_first_nonfinite_step() -> None:
-    from gradtrack.record import StepRecord
+    from gradtrack.formats.record import StepRecord
     from gradtrack.report.live import FlowHistory
 
     history = FlowHistory(max_steps=50, max_layer_steps=20, max_hist_steps=5)

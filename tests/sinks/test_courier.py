@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 from gradtrack.alerts import AlertEvent
-from gradtrack.courier import SpooledCourier
-from gradtrack.histogram import bin_samples
-from gradtrack.record import StepRecord
+from gradtrack.delivery.courier import SpooledCourier
+from gradtrack.delivery.spool import Spool
+from gradtrack.formats.histogram import bin_samples
+from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import TrackerSink
-from gradtrack.spool import Spool
 
 
 def record(step: int, histogram: bool = False) -> StepRecord:

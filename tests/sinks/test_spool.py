@@ -25,9 +25,9 @@ from torch import nn
 
 import gradtrack
 from gradtrack.alerts import AlertEvent
+from gradtrack.delivery.spool import Spool, SpoolError
 from gradtrack.formats.mlflow import read_alerts
-from gradtrack.record import StepRecord
-from gradtrack.spool import Spool, SpoolError
+from gradtrack.formats.record import StepRecord
 from tests.sinks.mlflow_server import MlflowServer, free_port
 
 mlflow = pytest.importorskip("mlflow")
@@ -76,7 +76,7 @@ def test_items_come_back_in_order_across_reopening_and_confirmed_ones_go(tmp_pat
 def test_records_keep_every_field_through_the_spool(tmp_path: Path) -> None:
     """NaN and Inf, histograms, spike arrays, tuples and the optional evidence come back
     exactly as written."""
-    from gradtrack.histogram import bin_samples
+    from gradtrack.formats.histogram import bin_samples
 
     original = StepRecord(
         step=7, wall_time=3.5, layers=("conv1", "fc"), total_norm=float("inf"),

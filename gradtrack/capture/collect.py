@@ -1,0 +1,333 @@
+"""The training thread's share of the work: gather gradients, reduce them, hand them off.
+
+Every step, `Collector.guard` takes each gradient's exact L2 norm in one batched pass; on
+logged (and bad) steps `Collector.collect` adds the rest and one host copy per device. Neither
+reads a value back, so on an accelerator neither waits for the device.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gradtrack.capture.distributed import RankGroup, is_dtensor, local_tensor
+from gradtrack.capture.layers import Layer
+from gradtrack.capture.mesh import MeshReduction, ShardStep, check_placements
+from gradtrack.capture.stats import (
+    abs_norms,
+    copy_to_host,
+    fill_nonfinite_counts,
+    l2_norms,
+    nonfinite_counts,
+    sample_bounds,
+    sample_elements,
+    stat_rows,
+)
+from gradtrack.formats.histogram import split_in_proportion
+from gradtrack.handoff.evidence import EvidenceLayout, StepEvidence
+from gradtrack.handoff.layout import HostPart, TensorIndex
+
+
+@dataclass
+class DeviceGrads:
+    """One device's gradients at one step, grouped by dtype, with their exact L2 norms."""
+
+    device: torch.device
+    foreach_only: bool  # the accelerator kernel path (kernels per step independent of depth)
+    index: np.ndarray  # for each row: the tensor's index in `Collector.params`
+    groups: list[tuple[slice, list[Tensor]]]  # per dtype: its rows and its gradients
+    l2: Tensor  # float64 [rows], on the device
+
+
+class GroupPlan(NamedTuple):
+    """One device-and-dtype group of a layout: its tensors' indices in `Collector.params`,
+    and whether every one of them is used as it is (no sparse, complex or empty gradient)."""
+
+    indices: list[int]
+    simple: bool
+
+
+@dataclass
+class Guard:
+    """What every step computes, logged or not: the present gradients and their L2 norms
+    (one batched pass, the cost of `clip_grad_norm_`'s), kept on their devices."""
+
+    devices: list[DeviceGrads]
+    exact: bool = True  # norms exact (logged steps), or the plain pass between them
+
+    def finite(self, wait: bool = False) -> bool | None:
+        """Whether every gradient is finite; None if only a host sync could tell (an
+        accelerator, unless ``wait``: a raise rule may pay one sync per step)."""
+        if not wait and any(part.device.type != "cpu" for part in self.devices):
+            return None
+        return all(
+            bool(np.isfinite(part.l2.numpy()).all())
+            if part.device.type == "cpu"
+            else bool(torch.isfinite(part.l2).all())  # the one sync a raise rule may cost
+            for part in self.devices
+        )
+
+
+class Collector:
+    """Flattened view of the watched layers' parameters, and the step's batched reduction.
+
+    With ``ranks`` of a sharded (DTensor) job, each rank reduces its local shards and one
+    all-gather per logged step combines them (`gradtrack.capture.mesh.MeshReduction`, built here:
+    one collective to find each piece's owner); DTensor gradients without ``ranks`` are
+    summarised as this rank's shards.
+    """
+
+    def __init__(
+        self, layers: Sequence[Layer], sample_size: int, seed: int, ranks: RankGroup | None = None
+    ) -> None:
+        self.params = [p for layer in layers for p in layer.params]
+        tensor_layer = np.array(
+            [i for i, layer in enumerate(layers) for _ in layer.params], dtype=np.int64
+        )
+        self.local_shards = any(is_dtensor(p) for p in self.params)
+        sample_counts = _split_sample_budget(layers, sample_size)
+        numel = [p.numel() for p in self.params]
+        self.mesh: MeshReduction | None = None
+        if ranks is not None and ranks.layout == "sharded":
+            names = [layers[i].name for i in tensor_layer]
+            self.mesh = MeshReduction.build(ranks, list(zip(names, self.params)), sample_counts)
+            sample_counts = self.mesh.local_sample_counts
+        elif self.local_shards:  # each rank on its own: statistics of its shards
+            numel = [local_tensor(p).numel() for p in self.params]
+        self.sample_counts = sample_counts
+        self.index = TensorIndex(
+            tuple(layer.name for layer in layers), tensor_layer, np.array(numel, dtype=np.int64)
+        )
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
+        self._placeholders: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._plans: dict[
+            tuple[torch.layout | None, ...], list[tuple[torch.device, list[GroupPlan]]]
+        ] = {}
+        self.host_transfers = 0
+        # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
+        # device without a sync: what accelerators need. None: on every device but the CPU.
+        self.foreach_only: bool | None = None
+
+    def guard(self, exact: bool = True) -> Guard:
+        """Every present gradient's L2 norm, grouped per device and dtype.
+
+        ``exact`` (logged steps): each norm to ~1e-7 relative. Without it (the steps in
+        between, which need only the verdict) the CPU takes one plain fp32 pass, the floor's:
+        a norm of millions of elements may then be off by ~1e-4 relative, but a finite
+        gradient still never reads Inf (overflow is redone exactly). Accelerators are always
+        exact (fp64 accumulation costs them nothing).
+        """
+        with torch.no_grad():
+            grads: list[Tensor] = [p.grad for p in self.params]  # type: ignore[misc]
+            key = tuple(
+                None if g is None or not p.requires_grad else g.layout
+                for p, g in zip(self.params, grads)
+            )
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = self._plan(grads)
+            parts = []
+            for device, groups in plan:
+                present = [
+                    (indices, [grads[i] if simple else self._usable(grads[i]) for i in indices])
+                    for indices, simple in groups
+                ]
+                parts.append(self._device_grads(device, present, exact))
+            return Guard(parts, exact)
+
+    def _plan(self, grads: list[Tensor]) -> list[tuple[torch.device, list[GroupPlan]]]:
+        """How this layout of present gradients groups: per device, per dtype, the tensors'
+        indices and whether each is used as it is (the common dense case)."""
+        if len(self._plans) > 64:  # layouts that keep changing: keep the cache small
+            self._plans.clear()
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[bool]]]
+        groups = defaultdict(lambda: ([], []))
+        for i, (param, grad) in enumerate(zip(self.params, grads)):
+            if grad is None or not param.requires_grad:
+                continue
+            if self.mesh is not None and is_dtensor(grad):
+                check_placements(grad, self.index.layer_names[self.index.tensor_layer[i]])
+            usable = self._usable(grad)
+            simple = usable is grad
+            indices, simples = groups[(usable.device, usable.dtype)]
+            indices.append(i)
+            simples.append(simple)
+        by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
+        for (device, _), (indices, simples) in groups.items():
+            by_device[device].append(GroupPlan(indices, all(simples)))
+        return list(by_device.items())
+
+    def _usable(self, grad: Tensor) -> Tensor:
+        """The dense, real, non-empty tensor whose statistics are the gradient's."""
+        if self.local_shards:
+            grad = local_tensor(grad)
+        if grad.is_sparse:
+            # The dense gradient's statistics: implicit zeros add nothing to the sums.
+            grad = grad.coalesce()._values()
+        if grad.is_complex():  # summarised as |z|: the norm of the complex tensor
+            grad = grad.abs()
+        if grad.numel() == 0:
+            grad = self._placeholder(grad)
+        return grad
+
+    def _device_grads(
+        self, device: torch.device, groups: list[tuple[list[int], list[Tensor]]], exact: bool
+    ) -> DeviceGrads:
+        foreach_only = device.type != "cpu" if self.foreach_only is None else self.foreach_only
+        slices, start = [], 0
+        for indices, _ in groups:
+            slices.append(slice(start, start + len(indices)))
+            start += len(indices)
+        norms = [l2_norms(grads, on_host=not foreach_only, exact=exact) for _, grads in groups]
+        return DeviceGrads(
+            device,
+            foreach_only,
+            np.concatenate([np.asarray(indices, dtype=np.int64) for indices, _ in groups]),
+            [(rows, grads) for rows, (_, grads) in zip(slices, groups)],
+            torch.cat(norms) if len(norms) > 1 else norms[0],
+        )
+
+    def collect(
+        self,
+        guard: Guard,
+        with_samples: bool,
+        evidence: StepEvidence | None = None,
+        full: bool = True,
+    ) -> list[HostPart]:
+        """The step's statistics from its ``guard``; one `HostPart` per device (usually one).
+
+        The step's ``evidence`` rides along in the first part: in its host copy on an
+        accelerator, read directly on the CPU.
+        Without ``full`` only the guard's L2 norms and the NaN/Inf counts are taken (L1 and
+        max NaN): L1 and max cost two more passes over every gradient.
+        """
+        with torch.no_grad():
+            return [
+                self._reduce_device(part, with_samples, evidence if i == 0 else None, full)
+                for i, part in enumerate(guard.devices)
+            ]
+
+    def _reduce_device(
+        self,
+        part: DeviceGrads,
+        with_samples: bool,
+        evidence: StepEvidence | None,
+        full: bool,
+    ) -> HostPart:
+        device, foreach_only = part.device, part.foreach_only
+        if full:
+            on_host = not foreach_only
+            l1, linf = zip(*(abs_norms(grads, on_host) for _, grads in part.groups))
+            rows = stat_rows(part.l2, torch.cat(l1), torch.cat(linf))
+        else:
+            rows = stat_rows(part.l2)
+        samples, all_grads = [], []
+        for group_rows, grads in part.groups:
+            if foreach_only:
+                rows[group_rows, 3:] = nonfinite_counts(grads)
+            if with_samples:
+                indices = part.index[group_rows]
+                counts = self.sample_counts[indices].tolist()
+                bounds = self._sample_bounds(device, indices, grads, counts)
+                samples.append(sample_elements(grads, counts, self._generator(device), bounds))
+            all_grads.extend(grads)
+        tensor_index = part.index
+        if not foreach_only:  # CPU rows: count NaN/Inf now, where norms came out non-finite
+            fill_nonfinite_counts(rows.numpy(), all_grads)
+        sample_counts = (
+            np.minimum(self.sample_counts[tensor_index], _numel_of(all_grads))
+            if with_samples
+            else None
+        )
+        if self.mesh is not None:
+            combined = self.mesh(
+                ShardStep(rows, tensor_index, samples, sample_counts, evidence or StepEvidence())
+            )
+            rows, samples, sample_counts = combined.rows, combined.samples, combined.sample_counts
+            evidence = combined.evidence if evidence is not None else None
+        return self._hand_off(device, rows, tensor_index, samples, sample_counts, evidence)
+
+    def _hand_off(
+        self,
+        device: torch.device,
+        rows: Tensor,
+        tensor_index: np.ndarray,
+        samples: list[Tensor],
+        sample_counts: np.ndarray | None,
+        evidence: StepEvidence | None,
+    ) -> HostPart:
+        """The device's `HostPart`: its one host copy launched, or on the CPU the tensors
+        themselves."""
+        self.host_transfers += 1
+        layout = EvidenceLayout() if evidence is None else evidence.layout()
+        if device.type == "cpu":  # nothing to copy: the worker reads these tensors
+            return HostPart(
+                tensor_index,
+                sample_counts,
+                buffer=rows,
+                evidence_layout=layout,
+                cpu_evidence=None if evidence is None else evidence.on_host(),
+                cpu_samples=(torch.cat(samples) if len(samples) > 1 else samples[0])
+                if samples
+                else None,
+            )
+        float64 = [rows.reshape(-1)]
+        if evidence is not None:
+            float64.append(evidence.on_device(device))
+        pieces = [torch.cat(float64).view(torch.float32), *samples]
+        buffer, ready = copy_to_host(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+        return HostPart(
+            tensor_index,
+            sample_counts,
+            buffer=buffer,
+            ready=ready,
+            evidence_layout=layout,
+        )
+
+    def _sample_bounds(
+        self, device: torch.device, indices: np.ndarray, grads: list[Tensor], counts: list[int]
+    ) -> Tensor:
+        """`stats.sample_bounds` for this set of tensors, kept on the device across steps
+        (a copy to an accelerator every step would wait for it)."""
+        key = (device, indices.tobytes(), tuple(g.numel() for g in grads))
+        if key not in self._bounds:
+            if len(self._bounds) >= 8:
+                self._bounds.clear()
+            self._bounds[key] = sample_bounds(grads, counts, device)
+        return self._bounds[key]
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self._seed)
+            self._generators[device] = generator
+        return self._generators[device]
+
+    def _placeholder(self, grad: Tensor) -> Tensor:
+        # foreach max-norm has no identity for empty tensors; one zero reads the same.
+        key = (grad.device, grad.dtype)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.zeros(1, device=grad.device, dtype=grad.dtype)
+        return self._placeholders[key]
+
+
+def _numel_of(grads: Sequence[Tensor]) -> np.ndarray:
+    return np.array([g.numel() for g in grads], dtype=np.int64)
+
+
+def _split_sample_budget(layers: Sequence[Layer], sample_size: int) -> np.ndarray:
+    """Per tensor, its share of its layer's sample: ``min(sample_size, layer numel)`` in all,
+    split in proportion to size."""
+    counts = [
+        split_in_proportion(sample_size, np.array([p.numel() for p in layer.params]))
+        for layer in layers
+    ]
+    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)

@@ -1,0 +1,105 @@
+"""The flight recorder's ring on the training thread: every step's per-layer norms (from the
+guard's, `gradtrack.capture.spike.LayerNorms`) written with its step into one row of a
+``[K, 1 + layers]`` float64 ring on the model's device — two small kernels per step, no host
+read, no per-layer host work.
+
+The rows since the last hand-off ride to the worker in the next summarised step's one host
+copy (`StepEvidence.flight`), and the worker keeps them (`gradtrack.worker.flight_log`) and sends
+the
+window when an incident fires, so nothing flows back to this thread. Once an accelerator's
+guard latched a bad step, the ring holds still until a logged step (or close) reads it: that
+step's window survives any ``log_every``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+OnError = Callable[[int, Exception], None]
+
+
+class FlightRecorder:
+    """The last ``capacity`` steps' layer norms, on the device of the norms it is given: one
+    float64 row ``[step, *layer norms]`` per step, so a frozen ring still says which steps
+    it holds.
+
+    >>> recorder = FlightRecorder(capacity=4, n_layers=2)
+    >>> for step in range(6):
+    ...     recorder.record(step, torch.tensor([9.0, step, -step], dtype=torch.float64))
+    >>> rows = recorder.take().reshape(-1, 3)
+    >>> rows[:, 0].tolist(), rows[:, 1].tolist()
+    ([2.0, 3.0, 4.0, 5.0], [2.0, 3.0, 4.0, 5.0])
+    >>> recorder.take() is None  # nothing new since
+    True
+    """
+
+    def __init__(self, capacity: int, n_layers: int) -> None:
+        self.capacity = capacity
+        self.n_layers = n_layers
+        self._ring: Tensor | None = None
+        self._written = 0  # slots written so far (the next one is ``_written % capacity``)
+        self._handed = 0  # ... of which handed to the worker
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the ring takes: capacity × (1 + layers) × 8 bytes."""
+        return self.capacity * (1 + self.n_layers) * 8
+
+    def record(
+        self, step: int, norms: Tensor | None, on_error: OnError | None = None,
+        hold: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Keep one step's norms (``[1 + layers]``: the total first, as `LayerNorms` gives;
+        None: the step has none). ``hold``, a boolean on the device: True keeps the ring as
+        it is (a bad step was latched before this one, and its window must outlive the steps
+        until the next logged step reads it). A failure goes to ``on_error``: training goes
+        on."""
+        if norms is None:
+            return
+        try:
+            self._record(step, norms, hold)
+        except Exception as exc:  # watching must never crash training
+            if on_error is None:
+                raise
+            on_error(step, exc)
+
+    def _record(self, step: int, norms: Tensor, hold: Tensor | None) -> None:
+        if self._ring is None or self._ring.device != norms.device:
+            self._ring = torch.full(
+                (self.capacity, 1 + self.n_layers), -1.0, dtype=torch.float64,
+                device=norms.device,
+            )  # fmt: skip
+        slot = self._ring[self._written % self.capacity]
+        if hold is None:
+            slot.copy_(norms, non_blocking=True)
+            slot[0].fill_(step)  # (the total's place)
+        else:  # no host read, no branch: the slot keeps its row where held
+            fresh = norms.to(torch.float64, copy=True)
+            fresh[0].fill_(step)
+            slot.copy_(torch.where(hold, slot, fresh))
+        self._written += 1
+
+    def take(self) -> Tensor | None:
+        """The rows written since the last take (at most ``capacity``, oldest first), as one
+        flat float64 tensor on the ring's device (a copy: the ring goes on); None if there
+        are none. A held ring hands on rows it handed before: `FlightLog.add` drops them."""
+        count = min(self._written - self._handed, self.capacity)
+        self._handed = self._written
+        if count == 0 or self._ring is None:
+            return None
+        end = self._written % self.capacity
+        start = (end - count) % self.capacity
+        if start < end:
+            rows = self._ring[start:end].clone()
+        else:  # wrapped around
+            rows = torch.cat([self._ring[start:], self._ring[:end]])
+        return rows.reshape(-1)
+
+    def take_on_host(self) -> np.ndarray | None:
+        """`take`, read on the host (a wait for the device: for the end of training only)."""
+        taken = self.take()
+        return None if taken is None else taken.cpu().numpy()

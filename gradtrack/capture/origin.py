@@ -1,0 +1,271 @@
+"""Where a non-finite gradient was made: the module, by replaying a bad step's forward and
+backward; and whether the weights themselves have gone non-finite.
+
+Healthy steps pay two Python hooks on the root module (references, no device work); the
+replay runs only on a step the guard found non-finite, before the optimizer applies it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from gradtrack.capture.layers import ROOT_LAYER_NAME
+
+ReplayStage = Literal["forward", "loss", "backward"]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """What a replay found: the module that made it (None: not found) and in which pass,
+    with a note on what the replay could not see."""
+
+    module: str | None
+    stage: ReplayStage | None
+    note: str = ""
+
+
+def _floats(value: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def _all_finite(tensors: Sequence[Tensor | None]) -> Tensor:
+    """On the device, no read: whether every element of every tensor is finite."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    if not flags:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def _read(flags: Sequence[Tensor]) -> list[bool]:
+    """Many device flags in one read per device (one wait each, where a device is involved;
+    a ``.cpu()`` per flag would wait once per module)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(i)
+    values = [False] * len(flags)
+    for indices in by_device.values():
+        read = torch.stack([flags[i] for i in indices]).cpu().numpy().tolist()
+        for i, value in zip(indices, read):
+            values[i] = bool(value)
+    return values
+
+
+def _finite(tensors: Sequence[Tensor | None]) -> bool:
+    return _read([_all_finite(tensors)])[0]
+
+
+# The gradient reaching the model's output is kept to replay a bad step's backward only up
+# to this size: a language model's logits gradient can take gigabytes, which training would
+# otherwise have freed at the end of backward. Larger outputs: the forward is replayed alone.
+MAX_KEPT_OUTPUT_GRAD_BYTES = 64 << 20
+
+
+class OriginProbe:
+    """Keeps references to what the root module received and to the gradient that reached
+    its output (the last forward of a step), so that a bad step can be replayed."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._rng: Tensor | None = None
+        self._output_grads: list[Tensor] = []
+        self._output_too_large = False
+        self.handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward),
+        ]
+
+    def _before_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self._inputs = (args, kwargs)
+        self._rng = torch.get_rng_state()  # dropout masks on the CPU replay as they were
+        self._output_grads = []
+        self._output_too_large = False
+
+    def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        leaves = [leaf for leaf in _floats(output) if leaf.requires_grad]
+        if sum(leaf.numel() * leaf.element_size() for leaf in leaves) > MAX_KEPT_OUTPUT_GRAD_BYTES:
+            self._output_too_large = True  # never hold what training would free
+            return
+        for leaf in leaves:
+            leaf.register_hook(self._output_grads.append)
+
+    def forget(self) -> None:
+        """Drop the references at the end of a step (they would hold memory)."""
+        self._inputs, self._rng, self._output_grads = None, None, []
+
+    def locate(self) -> Origin:
+        """Replay the last forward (and, where it is finite, the backward, from the gradient
+        that reached the output) with a check after every module; the model's buffers, the
+        RNG and every ``.grad`` are left as they were."""
+        if self._inputs is None:
+            return Origin(None, None, "no forward of the model was seen in this step")
+        output_grads, too_large = self._output_grads, self._output_too_large
+        model, (args, kwargs) = self.model, self._inputs
+        names = {module: name for name, module in model.named_modules()}
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        try:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                # (a full backward hook on a module whose inputs need no gradient warns)
+                warnings.simplefilter("ignore")
+                if self._rng is not None:
+                    torch.set_rng_state(self._rng)
+                found = _Replay(model, names, args, kwargs, output_grads, self._rng).origin()
+                if too_large and found.module is None:  # (the replay re-ran our hooks)
+                    note = (
+                        "the gradient reaching the model output is larger than "
+                        f"{MAX_KEPT_OUTPUT_GRAD_BYTES >> 20} MiB and is not kept, so the "
+                        "backward was not replayed"
+                    )
+                    return Origin(None, found.stage, note)
+                return found
+        except Exception as exc:  # a replay must never break training
+            return Origin(None, None, f"the replay failed ({type(exc).__name__}: {exc})")
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.forget()
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """A bad step's forward and backward replayed from what the root module received, with a
+    check after every module (``names``: each module's path)."""
+
+    model: nn.Module
+    names: dict[nn.Module, str]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output_grads: list[Tensor]
+    rng: Tensor | None
+
+    def origin(self) -> Origin:
+        # Flags stay on the device until the pass ends: one read per pass.
+        if not _finite(_floats((self.args, self.kwargs))):
+            return Origin(None, "forward", "the input batch itself holds NaN/Inf")
+        forward_bad = self._forward_bad()
+        if forward_bad:
+            return Origin(_shown(forward_bad[0]), "forward", _FORWARD_NOTE)
+        if self.output_grads and not _finite(self.output_grads):
+            return Origin(None, "loss")
+        if not self.output_grads:
+            return Origin(None, None, "the model output had no gradient to replay")
+        made = self._backward_made()
+        if not made:
+            return Origin(
+                None,
+                None,
+                "the replay's backward stayed finite: the model's own forward and backward did "
+                "not make it (a gradient changed after backward — a hook, clipping code, a "
+                "collective — or what the replay cannot see) " + _FORWARD_NOTE,
+            )
+        # Innermost: a module none of whose submodules also made it; the first in backward order.
+        inner = [name for name in made if not any(_inside(other, name) for other in made)]
+        return Origin(_shown(inner[0] if inner else made[0]), "backward", _FORWARD_NOTE)
+
+    def _forward_bad(self) -> list[str]:
+        """The modules whose output was non-finite in the forward, in execution order."""
+        forward: list[tuple[str, Tensor]] = []  # (module, output finite), in execution order
+
+        def after_forward(module: nn.Module, _args: Any, output: Any) -> None:
+            forward.append((self.names[module], _all_finite(_floats(output))))
+
+        handles = [m.register_forward_hook(after_forward) for m in self.names]
+        try:
+            with torch.no_grad():
+                self.model(*self.args, **self.kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        finite = _read([flag for _, flag in forward])
+        return [name for (name, _), ok in zip(forward, finite) if not ok]
+
+    def _backward_made(self) -> list[str]:
+        """The modules, in backward order, that made a non-finite gradient in the backward
+        from ``output_grads``: their output gradient was finite, and their input gradient (or
+        their own parameters') was not."""
+        names = self.names
+        backward: list[tuple[str, Tensor, Tensor]] = []  # (module, output/input gradient finite)
+
+        def after_backward(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+            backward.append(
+                (names[module], _all_finite(list(grad_out)), _all_finite(list(grad_in)))
+            )
+
+        handles = [m.register_full_backward_hook(after_backward) for m in names]
+        try:
+            if self.rng is not None:
+                torch.set_rng_state(self.rng)  # the same dropout masks as the first replay
+            with torch.enable_grad():
+                outputs = [
+                    t for t in _floats(self.model(*self.args, **self.kwargs)) if t.requires_grad
+                ]
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                grads = torch.autograd.grad(
+                    outputs, params, self.output_grads[: len(outputs)], allow_unused=True
+                )
+        finally:
+            for handle in handles:
+                handle.remove()
+        owners, own_flags = _own_gradients_finite(names, params, grads)
+        flags = _read([f for _, out_ok, in_ok in backward for f in (out_ok, in_ok)] + own_flags)
+        own_bad = {names[m] for m, ok in zip(owners, flags[2 * len(backward) :]) if not ok}
+        return [
+            name
+            for k, (name, _, _) in enumerate(backward)
+            if flags[2 * k] and (not flags[2 * k + 1] or name in own_bad)
+        ]
+
+
+def _own_gradients_finite(
+    names: dict[nn.Module, str], params: list[nn.Parameter], grads: Sequence[Tensor | None]
+) -> tuple[list[nn.Module], list[Tensor]]:
+    """The modules that own parameters, and per module (on the device) whether its own
+    parameters' gradients are finite: they count as its inputs' (a first layer has no
+    other)."""
+    grad_of = {id(p): g for p, g in zip(params, grads)}
+    owners = [m for m in names if any(True for _ in m.parameters(recurse=False))]
+    flags = [_all_finite([grad_of.get(id(p)) for p in m.parameters(recurse=False)]) for m in owners]
+    return owners, flags
+
+
+def _inside(name: str, ancestor: str) -> bool:
+    return name != ancestor and (ancestor == "" or name.startswith(f"{ancestor}."))
+
+
+def _shown(path: str) -> str:
+    return path or ROOT_LAYER_NAME
+
+
+_FORWARD_NOTE = (
+    "(replayed from the inputs the model received: randomness other than the CPU generator's "
+    "— CUDA dropout — and inputs changed in place since are not seen as they were)"
+)
+
+
+def nonfinite_weight_layers(
+    layer_names: Sequence[str], params: Sequence[Tensor], tensor_layer: np.ndarray
+) -> tuple[str, ...]:
+    """The layers whose parameters (not gradients) hold a NaN or Inf, in depth order."""
+    with torch.no_grad():
+        norms = torch._foreach_norm([p.detach() for p in params])  # one batched pass
+        finite = _read([torch.isfinite(n) for n in norms])  # one read, not one per tensor
+    bad = sorted({int(tensor_layer[i]) for i, ok in enumerate(finite) if not ok})
+    return tuple(layer_names[i] for i in bad)

@@ -1,0 +1,203 @@
+"""``action="skip"``: a bad step's optimizer step is left out, and written to a journal.
+
+The decision is made in the training thread before ``optimizer.step()`` runs, from the
+step's layer norms and spike flags read on the host (free on the CPU; one read per step on
+an accelerator). A skipped step changes nothing: the optimizer's ``step`` is not called, so
+weights, moments and step counts stay exactly as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradtrack.config.rules import AlertRules
+from gradtrack.errors import GradientAlertError
+from gradtrack.formats.event import AlertEvent
+from gradtrack.handoff.layout import spike_fields
+
+
+class Skip(NamedTuple):
+    """Why one step is left out: the rule, and the layer it names (None: the total norm)."""
+
+    rule: str
+    layer: str | None
+
+
+class SkipPolicy:
+    """Which steps the ``skip`` rules leave out, judged per column of the layer norms: 0 the
+    total, ``1 + i`` layer ``i`` (as `gradtrack.capture.spike.LayerNorms` orders them)."""
+
+    def __init__(self, rules: AlertRules, layer_names: Sequence[str], max_consecutive: int):
+        self.layer_names = tuple(layer_names)
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.total = 0
+        columns: list[str | None] = [None, *layer_names]
+
+        def skips(rule: str) -> np.ndarray:
+            return np.array(
+                [
+                    rules.for_layer(rule, layer).enabled
+                    and rules.for_layer(rule, layer).action == "skip"
+                    for layer in columns
+                ]
+            )
+
+        self._nonfinite, self._spike, self._exploding = (
+            skips(rule) for rule in ("nonfinite", "spike", "exploding")
+        )
+        self._explode_at = np.array(
+            [rules.for_layer("exploding", layer).threshold for layer in columns], dtype=np.float64
+        )
+
+    def decide(self, finite: bool, norms: np.ndarray, spike: np.ndarray | None) -> Skip | None:
+        """The first of nonfinite, spike, exploding whose skip rule this step trips
+        (``finite``: the guard's verdict over every device; ``norms`` cover the first)."""
+        if not finite:
+            bad = np.flatnonzero(~np.isfinite(norms[1:])) + 1
+            column = int(bad[0]) if len(bad) else 0
+            if self._nonfinite[column]:
+                return self._skip("nonfinite", column)
+        if spike is not None:
+            fields = spike_fields(spike)
+            spiking = fields["spiking"] & self._spike
+            if spiking.any():
+                z = np.where(spiking, fields["spike_z"], -np.inf)
+                return self._skip("spike", int(np.argmax(z[1:]) + 1) if spiking[1:].any() else 0)
+        with np.errstate(invalid="ignore"):
+            over = np.isfinite(norms) & (norms > self._explode_at) & self._exploding
+        if over.any():
+            past = np.where(over, norms / self._explode_at, -np.inf)
+            return self._skip("exploding", int(np.argmax(past)))
+        self.consecutive = 0
+        return None
+
+    def _skip(self, rule: str, column: int) -> Skip:
+        return Skip(rule, None if column == 0 else self.layer_names[column - 1])
+
+    def count(self, step: int, skip: Skip) -> GradientAlertError | None:
+        """Count a skip; or, once ``max_consecutive`` steps in a row were skipped, the error
+        to raise instead (the step is then not skipped)."""
+        if self.consecutive >= self.max_consecutive:
+            return GradientAlertError(
+                AlertEvent(
+                    step=step,
+                    wall_time=time.time(),
+                    rule=skip.rule,
+                    layer=skip.layer,
+                    statistic="consecutive_skips",
+                    value=float(self.consecutive + 1),
+                    threshold=float(self.max_consecutive),
+                    severity="error",
+                    message=(
+                        f"{skip.rule} at step {step} after {self.consecutive} skipped steps in "
+                        f"a row (skip.max_consecutive={self.max_consecutive}): skipping does not "
+                        "recover this run. Restore a checkpoint from before the first skip and "
+                        "look at that step's event, or lower the learning rate."
+                    ),
+                )
+            )
+        self.consecutive += 1
+        self.total += 1
+        return None
+
+
+class Journal:
+    """The bad-step journal: a JSON list of the skipped steps, rewritten whole at each skip
+    (atomically: a crash leaves the previous version), so a resumed run can read it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._entries: list[dict[str, Any]] = []
+
+    def add(self, step: int, skip: Skip, micro_batches: list[int]) -> None:
+        self._entries.append(
+            {
+                "step": step,
+                "rule": skip.rule,
+                "layer": skip.layer,
+                "micro_batches": micro_batches,
+                "wall_time": time.time(),
+            }
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(self._entries, indent=1))
+        os.replace(partial, self.path)
+
+
+def read_journal(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The skipped steps a run wrote (``skip.journal``): each ``step``, ``rule``, ``layer`` and
+    ``micro_batches`` — the indices, counted from 0 over the run, of the forward passes (with
+    gradients) that made the step — to leave those batches out of a resumed run.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "skipped_steps.json"
+    >>> Journal(path).add(13, Skip("nonfinite", "fc"), [13])
+    >>> [(e["step"], e["micro_batches"]) for e in read_journal(path)]
+    [(13, [13])]
+    """
+    entries = json.loads(Path(path).read_text())
+    assert isinstance(entries, list)
+    return entries
+
+
+class ForwardCounter:
+    """Counts the model's forward passes that record gradients: the micro-batches of a step
+    (several with gradient accumulation) are those counted since the previous step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.count = 0
+        self._step_start = 0
+        self.handle = model.register_forward_hook(self._forward)
+
+    def _forward(self, *_: Any) -> None:
+        if torch.is_grad_enabled():
+            self.count += 1
+
+    def take(self) -> list[int]:
+        """The micro-batch indices of the step that ends now."""
+        taken = list(range(self._step_start, self.count))
+        self._step_start = self.count
+        return taken
+
+
+class OptimizerGate:
+    """Wraps ``optimizer.step`` so that ``should_skip()``, asked first, can leave it out.
+
+    The wrapper is a bound method (LR schedulers wrap ``step.__func__``); `remove` restores
+    the optimizer's own, or, where something wrapped the gate since, makes it pass through.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, should_skip: Callable[[], bool]):
+        self.optimizer = optimizer
+        self._active = True
+        self._had_own = "step" in vars(optimizer)
+        original = optimizer.step
+
+        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if self._active and should_skip():
+                return None
+            return original(*args, **kwargs)
+
+        self._step = types.MethodType(step, optimizer)
+        self._original = original
+        optimizer.step = self._step  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        self._active = False
+        if vars(self.optimizer).get("step") is self._step:
+            if self._had_own:
+                self.optimizer.step = self._original  # type: ignore[method-assign]
+            else:
+                del self.optimizer.step

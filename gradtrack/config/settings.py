@@ -1,0 +1,878 @@
+"""gradtrack's configuration: one pydantic model and the places its values come from.
+
+Precedence, lowest first: defaults < file named by ``GRADTRACK_CONFIG`` < ``GRADTRACK_*``
+environment variables < ``config=`` (object, dict or file) < keyword overrides.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import json
+import os
+import sys
+import typing
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from gradtrack.config.redact import redact
+from gradtrack.config.rules import AlertRules
+from gradtrack.errors import GradtrackConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "GRADTRACK_"
+ENV_CONFIG_FILE = "GRADTRACK_CONFIG"
+ENV_DISABLED = "GRADTRACK_DISABLED"  # the off switch: sets enabled=False
+ENV_SPOOL_DIR = "GRADTRACK_SPOOL_DIR"  # spool.dir (also read where no config is: gradtrack sync)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+ENV_SOURCE = "environment variable"
+ConfigSource = Union["GradtrackConfig", Mapping[str, Any], str, os.PathLike, None]
+# No timeout or interval is meant to be longer: an infinite one would hang close() forever.
+_HOUR_S = 3600.0
+
+
+class WandbOptions(BaseModel):
+    """How the W&B sink finds or starts its run (an active ``wandb.run`` is always reused)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    project: str | None = Field(None, description="Project of a run gradtrack starts.")
+    entity: str | None = None
+    name: str | None = Field(None, description="Name of a run gradtrack starts.")
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode of a run gradtrack starts (default: W&B's own)."
+    )
+    dir: str | None = Field(None, description="Where a run gradtrack starts writes its files.")
+    profile_every: PositiveInt | None = Field(
+        100, description="Log the per-layer gradient-flow profile every N-th step; None: never."
+    )
+    pictures: bool = Field(
+        True,
+        description="At close, draw the run's gradient-flow pictures (total norm, flow by "
+        "depth, layers x steps, histograms, alerts) into the run summary as images, "
+        "grad_pictures/<name> (needs matplotlib: gradtrack[report]).",
+    )
+    pictures_every: PositiveInt | None = Field(
+        None, description="Also redraw them every N steps (None: at close only)."
+    )
+
+
+class MlflowOptions(BaseModel):
+    """Where the MLflow sink logs, and how it rides out an unreachable server."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tracking_uri: str | None = Field(
+        None, description="Default: MLFLOW_TRACKING_URI, else MLflow's (sqlite:///mlflow.db)."
+    )
+    experiment: str = Field("gradtrack", description="Experiment of a run gradtrack starts.")
+    run_name: str | None = Field(None, description="Name of a run gradtrack starts.")
+    share_run: bool = Field(
+        True,
+        description="With no active run, start gradtrack's run at watch() as MLflow's active "
+        "run in that thread, so your own mlflow.log_metric/log_param land in it (one run). "
+        "False: gradtrack's run is started by its worker and is gradtrack's alone.",
+    )
+    request_timeout_s: float = Field(
+        10.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Timeout of one request."
+    )
+    max_buffered_steps: PositiveInt | None = Field(
+        None,
+        description="Deprecated, has no effect: steps wait in the run's spool (spool.mib), "
+        "the only backlog, while the server is unreachable. Removed in the next release.",
+    )
+    retry_max_s: float = Field(
+        30.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Longest wait between retries."
+    )
+    hist_chunk_steps: PositiveInt = Field(
+        100, description="Histogram steps per stored file (also written at flush and close)."
+    )
+    hist_chunk_s: float = Field(
+        60.0,
+        gt=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
+        description="Or whatever histograms wait after this long, as one file: histograms "
+        "in the run stay at most this much behind the metrics.",
+    )
+    send_every_s: float = Field(
+        5.0,
+        ge=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
+        description="While delivery keeps up, let steps gather this long before they go: "
+        "a full batch, an alert (within a second), flush() and close() go at once, and a "
+        "backlog goes as fast as MLflow takes it. MLflow's stores cost per request as well "
+        "as per metric, so fewer, fuller requests cost less. 0: send as steps come.",
+    )
+    pictures: bool = Field(
+        True,
+        description="At close, draw the run's gradient-flow pictures (total norm, flow by "
+        "depth, layers x steps, histograms, alerts) and log them as artifacts, "
+        "gradtrack/pictures/*.png and report.html (needs matplotlib: gradtrack[report]).",
+    )
+    pictures_every: PositiveInt | None = Field(
+        None, description="Also redraw them every N steps (None: at close only)."
+    )
+
+    @field_validator("max_buffered_steps")
+    @classmethod
+    def _no_second_buffer(cls, value: int | None) -> int | None:
+        if value is not None:
+            warnings.warn(
+                "mlflow.max_buffered_steps has no effect: steps wait in the run's spool "
+                "(bounded by spool.mib) while MLflow is away; drop the option",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return value
+
+
+class TensorboardOptions(BaseModel):
+    """Where the TensorBoard sink writes its event files (a ``SummaryWriter`` given as the
+    backend keeps its own folder)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    log_dir: str | None = Field(
+        None, description="Folder of the event files; default runs/<date>_<host>, as "
+        "SummaryWriter's own default.",
+    )  # fmt: skip
+    pictures: bool = Field(
+        True,
+        description="At close, draw the run's gradient-flow pictures and write them as "
+        "images, grad_pictures/<name> (needs matplotlib: gradtrack[report]).",
+    )
+    pictures_every: PositiveInt | None = Field(
+        None, description="Also redraw them every N steps (None: at close only)."
+    )
+
+
+class FlightOptions(BaseModel):
+    """The flight recorder (docs/flight.md): every layer's gradient norm at each of the last
+    ``steps`` steps, kept on the training device and sent once when an incident fires."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        True, description="Keep the last steps' per-layer norms and send them at an incident."
+    )
+    steps: PositiveInt = Field(
+        256,
+        description="Steps the window holds before an incident (K; (K+1) x (1+layers) x 8 "
+        "bytes on the device).",
+    )
+    series_max_values: PositiveInt = Field(
+        200_000,
+        description="MLflow: a window of more values (steps x layers) is sent as its artifact "
+        "only, not also as grad_norm/<layer> series (MLflow stores each value as a row).",
+    )
+
+
+class NoiseScaleOptions(BaseModel):
+    """The gradient noise scale (docs/noise_scale.md): the critical batch size, from the
+    squared gradient norms at two batch sizes — data-parallel ranks' local gradients against
+    the all-reduced one, or gradient accumulation's micro-batches against their sum."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Estimate it on logged steps where it can be.")
+    batch_size: PositiveInt | None = Field(
+        None,
+        description="Examples in one rank's batch (data-parallel) or one micro-batch "
+        "(accumulation). None: counted as the first dimension of the model's first tensor "
+        "input at each forward pass.",
+    )
+    ema: float = Field(
+        0.99, gt=0.0, lt=1.0,
+        description="EMA decay per logged step of |G|^2 and tr(Sigma) (their ratio is the "
+        "estimate: one step's is too noisy, and biased).",
+    )  # fmt: skip
+    per_layer: bool = Field(
+        False, description="Also each layer's, as grad_noise_scale/<layer> (noisier still)."
+    )
+
+
+class DistributedOptions(BaseModel):
+    """How gradtrack behaves under torch.distributed (detected; nothing to switch on)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        True,
+        description="Coordinate the ranks of an initialised torch.distributed job (rank 0 "
+        "writes). False: every rank watches on its own, writes to its own sinks and issues no "
+        "collective (pipeline stages, a different model per rank); sharded gradients are then "
+        "summarised per local shard.",
+    )
+    gather_ranks: bool = Field(
+        False,
+        description="Also write each rank's local gradient norm per layer, before the "
+        "all-reduce (grad_norm_rank<r>/<layer>), from rank 0. Replicated (DDP) training only.",
+    )
+
+
+class SkipOptions(BaseModel):
+    """What rules whose action is ``skip`` do beyond leaving the step out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_consecutive: PositiveInt = Field(
+        5,
+        description="Skipped steps in a row after which the next bad step raises "
+        "GradientAlertError instead: skipping does not recover that run.",
+    )
+    journal: Path = Field(
+        Path("skipped_steps.json"),
+        description="The bad-step journal: a JSON list, one entry per skipped step (step, "
+        "rule, layer, micro-batch indices), rewritten at each skip; read it with "
+        "gradtrack.journal.read_journal to leave those batches out of a resumed run.",
+    )
+
+
+class HistogramOptions(BaseModel):
+    """How often gradients are sampled for histograms, and how those are binned."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    every: PositiveInt | None = Field(
+        100, description="Sample gradients for histograms every N-th step; None turns them off."
+    )
+    bins: int = Field(64, ge=2, le=4096, description="Bins per histogram.")
+    sample_size: PositiveInt = Field(
+        4096, description="Gradient elements sampled per layer for a histogram."
+    )
+    scale: Literal["linear", "log"] = Field(
+        "linear", description="Bin gradient values, or log10 |g| for gradients spanning decades."
+    )
+    seed: int = Field(
+        0, ge=0, lt=2**63, description="Seed of the generator that samples those elements."
+    )
+
+
+class DeliveryOptions(BaseModel):
+    """How logged steps travel from the training loop to the sinks: the worker's queue, the
+    batches it hands on, and what each sink may keep waiting in memory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queue_size: PositiveInt = Field(
+        10_000,
+        description="Steps waiting for the worker, at most: room for the worker to fall "
+        "behind a fast loop for a while (a tracker's SDK loading, a busy machine).",
+    )
+    queue_mib: PositiveInt = Field(
+        256,
+        description="Memory the steps waiting for the worker may hold, at most (MiB): "
+        "whichever of the two bounds is reached first applies.",
+    )
+    queue_full: Literal["drop_oldest", "block"] = Field(
+        "drop_oldest", description="When the queue is full: drop the oldest step, or wait."
+    )
+    max_batch_steps: PositiveInt = Field(32, description="Steps handed to a sink in one write.")
+    batch_wait_s: float = Field(
+        0.05,
+        ge=0,
+        le=60,
+        allow_inf_nan=False,
+        description="How long the worker lets steps gather before handing them on: short, "
+        "so that charts riding your rows stay close to training (the spool gathers batches "
+        "for trackers itself, mlflow.send_every_s).",
+    )
+    sink_buffer_steps: PositiveInt = Field(
+        10_000,
+        description="Steps waiting in memory for one sink that has no spool (memory, "
+        "console, W&B, your own); past it the oldest are dropped, counted and logged as "
+        "gradtrack/dropped.",
+    )
+
+
+class SpoolOptions(BaseModel):
+    """The local spool tracker sinks deliver from. ``spool=False`` is short for
+    ``spool={"enabled": False}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        True,
+        description="Write every record and alert to a local spool before a tracker sink "
+        "(W&B, MLflow) gets it; what a tracker has not confirmed stays there "
+        "(`gradtrack sync PATH` delivers it later).",
+    )
+    dir: Path | None = Field(
+        None,
+        description="Where spools live; default $GRADTRACK_SPOOL_DIR, else "
+        "~/.cache/gradtrack/spool. A delivered run leaves nothing there.",
+    )
+    mib: PositiveInt = Field(
+        2048,
+        description="Disk the undelivered items of one run may take (MiB); past it new "
+        "steps are dropped, counted and logged as gradtrack/dropped.",
+    )
+
+
+class ConsoleOptions(BaseModel):
+    """The console sink's options."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    interval_s: float = Field(
+        5.0,
+        ge=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
+        description="Print a table at most this often.",
+    )
+
+
+class GradtrackConfig(BaseModel):
+    """Everything that decides what gradtrack watches, how often, and how it hands data on.
+
+    The most common options sit at the top level; the others in sections (``histograms``,
+    ``delivery``, ``spool``, ``console``, ``wandb``, ``mlflow``, ``tensorboard``,
+    ``distributed``, ``skip``, ``alerts``), given as dicts: ``histograms={"every": 50}``.
+
+    >>> GradtrackConfig(log_every=5, histograms={"bins": 32}).histograms.bins
+    32
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    enabled: bool = Field(
+        True,
+        description="False (or GRADTRACK_DISABLED=1): watch() adds no hook, makes no sink and "
+        "writes nothing, so a script keeps its watch line where gradtrack should stay off.",
+    )
+    log_every: PositiveInt = Field(10, description="Summarise every N-th step (step 0 included).")
+    granularity: Literal["layer", "parameter"] = Field(
+        "layer", description="Summarise per module that owns parameters, or per parameter."
+    )
+    layer_keys: Literal["path", "depth"] = Field(
+        "path",
+        description="How layers are named in keys, records and events: 'path', the module path "
+        "(a Sequential's 0, 2, … 10, which trackers sort as text: 0, 10, 2); 'depth', the "
+        "path after its zero-padded position in model order (00_0, 01_2, … 11_22 for twelve "
+        "layers), so trackers list layers by depth. The default keeps the keys runs "
+        "already have.",
+    )
+    include: tuple[str, ...] = Field((), description="Glob patterns of layer names to watch.")
+    exclude: tuple[str, ...] = Field((), description="Glob patterns of layer names to skip.")
+    module_types: tuple[type[torch.nn.Module], ...] = Field(
+        (), description="Watch only modules of these types (classes or torch.nn names)."
+    )
+    flush_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=_HOUR_S,
+        allow_inf_nan=False,
+        description="How long close() waits for the sinks without progress; while steps "
+        "flow to a tracker it waits, with a progress line every 5 s.",
+    )
+    layer_metrics: tuple[Literal["norm", "max_abs", "mean_abs", "rms"], ...] = Field(
+        ("norm", "max_abs", "mean_abs", "rms"),
+        description="Per-layer statistics written as metrics (grad_norm/, grad_max/, "
+        "grad_mean_abs/, grad_rms/); fewer keys per step for very deep models on slow stores "
+        "(empty: only the grad/ totals). All are still computed for alerts and the console.",
+    )
+    layer_every: PositiveInt = Field(
+        100,
+        description="Write the per-layer metrics (layer_metrics, activation norms) on the "
+        "first logged step of every N steps; the grad/ totals and per-layer NaN/Inf counts go "
+        "out at every logged step, and the first step in each window with a non-finite "
+        "gradient or an alert is written in full. Max and mean |g| are computed on the "
+        "window's first steps only (two more passes over every gradient). 1: everything at "
+        "every logged step. Alerts always see every logged step.",
+    )
+    layer_schedule: Literal["fixed", "dense_early"] = Field(
+        "fixed",
+        description="Which logged steps write per-layer metrics: 'fixed', the first of every "
+        "layer_every steps; 'dense_early', every logged step at first, then ever sparser "
+        "until one per layer_every (gradtrack.capture.schedule.DenseEarly: a short run gets enough "
+        "points, a long one at most ~250 per-layer steps more than 'fixed').",
+    )
+    activations: bool = Field(
+        False, description="Also log gradient norms w.r.t. every leaf module's output."
+    )
+    update_signals: bool | Literal["sampled"] = Field(
+        "sampled",
+        description="Each layer's weight norm and the norm of the update optimizer.step() "
+        "applied, on logged steps (needs optimizer=): param_norm/, update_norm/, "
+        "update_ratio/, and the learning_rate rule. 'sampled' (the default): ||W|| exact, "
+        "||dW|| from a fixed sample of each tensor (gradtrack.capture.update_sample; a few KiB per "
+        "tensor); True: ||dW|| exact from a copy of the trainable parameters, kept for the "
+        "run; False: off. See docs/signals.md.",
+    )
+    model_name: str | None = Field(
+        None,
+        description="Name put after each metric family (grad_norm/<model_name>/<layer>) so "
+        "several watched models can share one run.",
+    )
+    alerts: AlertRules = Field(default_factory=AlertRules, description="Alert rules.")
+    skip: SkipOptions = Field(
+        default_factory=SkipOptions, description="Options of the rules whose action is skip."
+    )
+    histograms: HistogramOptions = Field(
+        default_factory=HistogramOptions, description="Gradient histograms (False: none)."
+    )
+    delivery: DeliveryOptions = Field(
+        default_factory=DeliveryOptions, description="The worker's queue and batches."
+    )
+    spool: SpoolOptions = Field(
+        default_factory=SpoolOptions, description="The local spool (False: none)."
+    )
+    console: ConsoleOptions = Field(
+        default_factory=ConsoleOptions, description="Console sink options."
+    )
+    wandb: WandbOptions = Field(default_factory=WandbOptions, description="W&B sink options.")
+    mlflow: MlflowOptions = Field(default_factory=MlflowOptions, description="MLflow options.")
+    tensorboard: TensorboardOptions = Field(
+        default_factory=TensorboardOptions, description="TensorBoard sink options."
+    )
+    distributed: DistributedOptions = Field(
+        default_factory=DistributedOptions, description="torch.distributed options."
+    )
+    flight: FlightOptions = Field(
+        default_factory=FlightOptions, description="Flight recorder options."
+    )
+    noise_scale: NoiseScaleOptions = Field(
+        default_factory=NoiseScaleOptions, description="Gradient noise scale options."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_options(cls, data: Any) -> Any:
+        """Old flat names (``hist_bins``) still work, for one release, with a warning."""
+        if not isinstance(data, Mapping):
+            return data
+        migrated, moved = migrate(data)
+        if moved:
+            warn_renamed(moved)
+        return migrated
+
+    @field_validator("include", "exclude", "layer_metrics", mode="before")
+    @classmethod
+    def _one_pattern_is_a_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_serializer("module_types")
+    def _module_type_names(self, value: tuple[type, ...]) -> list[str]:
+        return [f"{cls.__module__}.{cls.__qualname__}" for cls in value]
+
+    @field_validator("module_types", mode="before")
+    @classmethod
+    def _resolve_module_types(cls, value: Any) -> Any:
+        if isinstance(value, (str, type)):
+            value = (value,)
+        return tuple(_resolve_module_type(v) if isinstance(v, str) else v for v in value)
+
+
+FIELDS: tuple[str, ...] = tuple(GradtrackConfig.model_fields)
+
+# Where the options of earlier releases live now: load_config, and GradtrackConfig itself,
+# still take the old names, for one release, with one DeprecationWarning naming old -> new.
+RENAMED: dict[str, str] = {
+    "hist_every": "histograms.every",
+    "hist_bins": "histograms.bins",
+    "hist_sample_size": "histograms.sample_size",
+    "hist_scale": "histograms.scale",
+    "seed": "histograms.seed",
+    "queue_size": "delivery.queue_size",
+    "queue_mib": "delivery.queue_mib",
+    "queue_full": "delivery.queue_full",
+    "max_batch_steps": "delivery.max_batch_steps",
+    "batch_wait_s": "delivery.batch_wait_s",
+    "sink_buffer_steps": "delivery.sink_buffer_steps",
+    "spool_dir": "spool.dir",
+    "spool_mib": "spool.mib",
+    "console_interval_s": "console.interval_s",
+    "update_signals.enabled": "update_signals",
+}
+# Sections a plain on/off value stands for: spool=False, histograms=False (see _expand).
+_SWITCHED = ("spool", "histograms")
+
+
+def _expand(section: str, value: Any) -> Any:
+    """A section given as an on/off value: ``spool=False`` is ``spool={"enabled": False}``,
+    ``histograms=False`` is ``histograms={"every": None}`` (True: the defaults).
+
+    >>> _expand("histograms", False), _expand("histograms", True), _expand("spool", False)
+    ({'every': None}, {}, {'enabled': False})
+    """
+    if section not in _SWITCHED or isinstance(value, (Mapping, BaseModel)):
+        return value
+    if section == "spool":
+        return {"enabled": value}
+    if not isinstance(value, (bool, type(None))):
+        return value  # refused by validation: histograms takes a mapping or a bool
+    return {} if value else {"every": None}
+
+
+def migrate(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``values`` with every old name moved to its new place, and the (old, new) pairs moved.
+
+    >>> migrated, moved = migrate({"hist_bins": 8, "spool": False, "spool_mib": 9})
+    >>> migrated
+    {'spool': {'enabled': False, 'mib': 9}, 'histograms': {'bins': 8}}
+    >>> moved
+    [('hist_bins', 'histograms.bins'), ('spool_mib', 'spool.mib')]
+    """
+    migrated = _copied(values)
+    for name in _SWITCHED:
+        if name in migrated:
+            migrated[name] = _expand(name, migrated[name])
+    moved: list[tuple[str, str]] = []
+    for old, new in RENAMED.items():
+        found, value = _pop(migrated, old.split("."))
+        if not found:
+            continue
+        if _has(migrated, new.split(".")):
+            raise GradtrackConfigError(
+                f"{old} and {new} are the same option, given twice: keep only {new}"
+            )
+        _put(migrated, new.split("."), value)
+        moved.append((old, new))
+    return migrated, moved
+
+
+def _copied(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _copied(v) if isinstance(v, Mapping) else v for k, v in values.items()}
+
+
+def _pop(values: dict[str, Any], path: list[str]) -> tuple[bool, Any]:
+    """Take ``path`` out of nested dicts (dropping a dict it leaves empty): (found, value)."""
+    head, *rest = path
+    if head not in values:
+        return False, None
+    if not rest:
+        return True, values.pop(head)
+    inner = values[head]
+    if not isinstance(inner, dict):
+        return False, None
+    found, value = _pop(inner, rest)
+    if found and not inner:
+        del values[head]
+    return found, value
+
+
+def _has(values: Any, path: list[str]) -> bool:
+    for part in path:
+        if not isinstance(values, Mapping) or part not in values:
+            return False
+        values = values[part]
+    return True
+
+
+def _put(values: dict[str, Any], path: list[str], value: Any) -> None:
+    head, *rest = path
+    if not rest:
+        values[head] = value
+        return
+    inner = values.get(head)
+    if isinstance(inner, BaseModel):
+        inner = _explicit_fields(inner)
+    values[head] = inner = dict(inner or {})
+    _put(inner, rest, value)
+
+
+def warn_renamed(moved: list[tuple[str, str]]) -> None:
+    """One DeprecationWarning naming each old name and its new place, pointed at the first
+    caller outside gradtrack (and pydantic), where the old name was written."""
+    renames = ", ".join(f"{old} → {new}" for old, new in moved)
+    here = inspect.currentframe()
+    assert here is not None and here.f_back is not None  # (CPython has frames)
+    frame, level = here.f_back, 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+        "gradtrack",
+        "pydantic",
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"gradtrack options renamed: {renames}. The old names stop working in the next "
+        "release (CHANGELOG.md lists every rename).",
+        DeprecationWarning,
+        stacklevel=level,
+    )
+
+
+def _env_name(dotted: str) -> str:
+    return ENV_PREFIX + dotted.upper().replace(".", "__")
+
+
+def _resolve_module_type(name: str) -> type:
+    if "." not in name:
+        found = getattr(torch.nn, name, None)
+        if isinstance(found, type):
+            return found
+        close = difflib.get_close_matches(name, [n for n in dir(torch.nn) if n[:1].isupper()], 3)
+        raise ValueError(f"torch.nn has no module type {name!r}; close names: {close}")
+    module_name, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import module type {name!r}: {exc}") from exc
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML, TOML or JSON file holding config fields at its top level."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise GradtrackConfigError(f"cannot read gradtrack config file {path}: {exc}") from exc
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ModuleNotFoundError as exc:
+                raise GradtrackConfigError(
+                    f"{path} is YAML but PyYAML is not installed: pip install pyyaml"
+                ) from exc
+            data = yaml.safe_load(text) or {}
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise GradtrackConfigError(
+                f"gradtrack config file {path} must end in .toml, .yaml, .yml or .json"
+            )
+    except GradtrackConfigError:
+        raise
+    except Exception as exc:  # each parser has its own error type
+        raise GradtrackConfigError(f"cannot parse gradtrack config file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise GradtrackConfigError(
+            f"gradtrack config file {path} must hold a mapping of fields, not {type(data).__name__}"
+        )
+    return data
+
+
+def _env_value(field: str, raw: str) -> Any:
+    if raw.strip().lower() in ("", "none", "null"):
+        return None
+    if field in ("include", "exclude", "module_types"):
+        if raw.lstrip().startswith("["):
+            return json.loads(raw)
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    return raw
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Config fields from ``GRADTRACK_<FIELD>`` variables (``GRADTRACK_CONFIG`` names a file).
+
+    A double underscore reaches into a nested field: ``GRADTRACK_HISTOGRAMS__BINS``.
+    ``GRADTRACK_SPOOL_DIR`` is the spool's folder (``spool.dir``), as it always was.
+
+    ``GRADTRACK_SPOOL=0`` and ``GRADTRACK_HISTOGRAMS=0`` switch those off.
+
+    >>> read_env({"GRADTRACK_HISTOGRAMS__BINS": "8", "GRADTRACK_SPOOL": "off"})
+    {'histograms': {'bins': '8'}, 'spool': {'enabled': False}}
+    """
+    values: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if name == ENV_DISABLED:
+            values["enabled"] = not _switch(name, raw)
+        elif name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
+            path = name[len(ENV_PREFIX) :].lower().split("__")
+            if name == ENV_SPOOL_DIR:
+                path = ["spool", "dir"]
+            elif path[0] in _SWITCHED and len(path) == 1:
+                values.setdefault(path[0], {}).update(_expand(path[0], _switch(name, raw)))
+                continue
+            target = values
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = _env_value(path[-1], raw)
+    return values
+
+
+def _switch(name: str, raw: str) -> bool:
+    """An on/off environment variable's value.
+
+    >>> _switch("GRADTRACK_DISABLED", " Yes "), _switch("GRADTRACK_DISABLED", "0")
+    (True, False)
+    """
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise GradtrackConfigError(
+            f"{name}={raw!r} is not a switch: use one of {', '.join(_TRUE + _FALSE[:-1])}"
+        )
+    return value in _TRUE
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    config: ConfigSource = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> GradtrackConfig:
+    """Merge every source of configuration, in the documented precedence, and validate once.
+
+    >>> config = load_config({"log_every": 2}, {"histograms": {"every": None}}, environ={})
+    >>> config.histograms.every is None
+    True
+    """
+    environ = os.environ if environ is None else environ
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if environ.get(ENV_CONFIG_FILE):
+        path = environ[ENV_CONFIG_FILE]
+        layers.append((f"file {path} (from {ENV_CONFIG_FILE})", read_config_file(path)))
+    layers.append((ENV_SOURCE, read_env(environ)))
+    if isinstance(config, GradtrackConfig):
+        layers.append(("config object", _explicit_fields(config)))
+    elif isinstance(config, (str, os.PathLike)):
+        layers.append((f"file {config}", read_config_file(config)))
+    elif isinstance(config, Mapping):
+        layers.append(("config dict", config))
+    elif config is not None:
+        raise GradtrackConfigError(
+            "config must be a GradtrackConfig, a dict, or a path to a .toml/.yaml/.json file, "
+            f"not {type(config).__name__}"
+        )
+    layers.append(("keyword argument", overrides or {}))
+
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    renamed: list[tuple[str, str]] = []
+    for source, given in layers:
+        try:
+            values, moved = migrate(given)
+        except GradtrackConfigError as exc:
+            raise GradtrackConfigError(f"{exc} (in the {source})") from None
+        from_env = source == ENV_SOURCE
+        for old, new in moved:
+            renamed.append((_env_name(old), _env_name(new)) if from_env else (old, new))
+            origin[new] = _env_name(old) if from_env else f"{source}, as {old}"
+        merged = _merge(merged, values)
+        for key, value in values.items():
+            env_name = ENV_PREFIX + key.upper() + ("__*" if isinstance(value, Mapping) else "")
+            origin[key] = env_name if from_env else source
+    if renamed:
+        warn_renamed(renamed)
+    try:
+        return GradtrackConfig(**merged)
+    except ValidationError as exc:
+        raise GradtrackConfigError(_describe(exc, origin)) from None
+
+
+def _explicit_fields(model: BaseModel) -> dict[str, Any]:
+    """The fields set explicitly, nested models included (so they merge field by field)."""
+    fields: dict[str, Any] = {}
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        fields[name] = _explicit_fields(value) if isinstance(value, BaseModel) else value
+    return fields
+
+
+def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
+    lines = ["invalid gradtrack config:"]
+    for item in error.errors():
+        loc = [str(part) for part in item["loc"]]
+        field = ".".join(loc)
+        prefixes = (".".join(loc[:n]) for n in range(len(loc), 0, -1))
+        where = next((origin[p] for p in prefixes if p in origin), "?")
+        if item["type"] == "extra_forbidden":
+            section, known = _section_fields(item["loc"][:-1])
+            # At the top level an old name's neighbour is suggested by its new name.
+            names = [*known, *(old for old in RENAMED if "." not in old)] if not section else known
+            close = difflib.get_close_matches(loc[-1], list(names), n=1)
+            suggested = RENAMED.get(close[0], ".".join([*section, close[0]])) if close else ""
+            hint = f"; did you mean {suggested!r}?" if close else ""
+            of = f" of {'.'.join(section)}" if section else ""
+            lines.append(
+                f"  unknown field {field!r} (from {where}){hint} "
+                f"Known fields{of}: {', '.join(known)}"
+            )
+        else:
+            lines.append(f"  {field} = {item['input']!r} (from {where}): {item['msg']}")
+    return "\n".join(lines)
+
+
+def _section_fields(loc: tuple[int | str, ...]) -> tuple[list[str], tuple[str, ...]]:
+    """The section a misspelt field sits in, and that section's own fields: a typo in
+    ``alerts.exploding`` is answered with the exploding rule's fields, not the top level's.
+
+    >>> section, known = _section_fields(("alerts", "exploding"))
+    >>> section, "threshold" in known, "log_every" in known
+    (['alerts', 'exploding'], True, False)
+    """
+    model: type[BaseModel] = GradtrackConfig
+    section: list[str] = []
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        nested = _model_in(field.annotation) if field is not None else None
+        if nested is None:
+            break
+        model = nested
+        section.append(str(part))
+    return section, tuple(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (``X`` or ``X | None``), if any."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+_SECRET_NAME_PARTS = ("password", "passwd", "token", "secret", "key", "auth")
+
+
+def redacted_config(config: GradtrackConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The config as JSON-ready data with no credential in it, for trackers and logs.
+
+    A field whose name says it holds a secret is dropped (not masked: even its length would
+    leak), and every string goes through :func:`gradtrack.config.redact.redact` (URI userinfo and
+    secret query parameters become ``***``: ``https://***@host``).
+    """
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+    redacted = _redact(data)
+    assert isinstance(redacted, dict)
+    return redacted
+
+
+def _redact(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {
+            key: _redact(item)
+            for key, item in value.items()
+            if not any(part in str(key).lower() for part in _SECRET_NAME_PARTS)
+        }
+    if isinstance(value, (list, tuple)):
+        return [_redact(item) for item in value]
+    if isinstance(value, str):
+        return redact(value)
+    return value

@@ -1,0 +1,376 @@
+"""One delivery thread per sink: the worker hands calls over and never waits on a tracker.
+
+A sink that blocks — a frozen server, a cold start importing its SDK and creating its store,
+a locked database — holds up only its own courier. A `TrackerSink` is delivered from the
+run's spool by a `SpooledCourier`: the spool is its only backlog, the courier its only retry
+loop, and its cursors move once `send` returned (the tracker holds the batch). Nothing is
+lost however long the tracker is away; only the spool's disk bound can drop. Any other sink
+(memory, console, W&B, your own) keeps its waiting steps in memory, bounded by ``capacity``
+steps, the oldest dropped and counted.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.config.redact import redact
+from gradtrack.delivery.spool import Item, Spool
+from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.drops import DropCount
+from gradtrack.log import warn
+from gradtrack.sinks.base import GradientSink, TrackerSink
+
+_Call = tuple[str, tuple[Any, ...], "threading.Event | None"]
+
+
+class _Thread:
+    """A sink's thread: posted calls run in order; a failing call is reported once."""
+
+    def __init__(self, sink: GradientSink, on_error: Callable[[str], None]) -> None:
+        self.sink = sink
+        self.errors = 0
+        self._on_error = on_error
+        self._calls: deque[_Call] = deque()
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._run, name=f"gradtrack-{type(sink).__name__}", daemon=True
+        )
+
+    def post(self, method: str, *args: Any) -> threading.Event:
+        """Queue ``sink.method(*args)``; the event is set once it has returned."""
+        done = threading.Event()
+        with self._changed:
+            self._calls.append((method, args, done))
+            self._changed.notify_all()
+        return done
+
+    def _call(self, method: str, *args: Any) -> bool:
+        try:
+            getattr(self.sink, method)(*args)
+            return True
+        except Exception as exc:  # one broken sink must not stop the others
+            self.errors += 1
+            if self.errors == 1:
+                self._on_error(
+                    f"gradtrack sink {type(self.sink).__name__}.{method} failed: {exc!r}; "
+                    "training and the other sinks go on, further errors are only counted"
+                )
+            return False
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Courier(_Thread):
+    """Calls one sink from its own thread, in the order the calls were posted; steps wait in
+    memory (at most ``capacity``)."""
+
+    def __init__(
+        self,
+        sink: GradientSink,
+        capacity: int,
+        drops: DropCount,
+        on_error: Callable[[str], None],
+    ) -> None:
+        super().__init__(sink, on_error)
+        self._capacity = capacity
+        self._drops = drops
+        self._steps = 0  # records waiting in write calls
+        self._thread.start()
+
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        with self._changed:
+            self._calls.append(("write", (list(batch),), None))
+            self._steps += len(batch)
+            self._trim()
+            self._changed.notify_all()
+
+    def alert(self, event: AlertEvent) -> None:
+        self.post("alert", event)
+
+    def _trim(self) -> None:
+        """Past ``capacity`` waiting steps, drop the oldest (never a flush, alert or close)."""
+        while self._steps > self._capacity:
+            index = next(i for i, call in enumerate(self._calls) if call[0] == "write")
+            batch = self._calls[index][1][0]
+            batch.pop(0)
+            self._steps -= 1
+            if not batch:
+                del self._calls[index]
+            self._drops.add(
+                1,
+                f"{type(self.sink).__name__} is {self._capacity} steps behind "
+                "(its tracker is slow or unreachable)",
+            )
+
+    def _run(self) -> None:
+        yield_cpu_to_training()  # an SDK's import or a store's creation: after training
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._calls))
+                method, args, done = self._calls.popleft()
+                if method == "write":
+                    self._steps -= len(args[0])
+            self._call(method, *args)
+            if done is not None:
+                done.set()
+            if method == "close":
+                return
+
+
+class _Lane:
+    """One stream of a tracker sink's items from the spool, with a cursor of its own: every
+    item (records and alerts, to `send`), or the records that carry histograms (to
+    `send_histograms`)."""
+
+    def __init__(self, spool: Spool, cursor: str, histograms: bool, batch: int) -> None:
+        self.spool, self.cursor, self.histograms, self.batch = spool, cursor, histograms, batch
+        spool.add_cursor(cursor)
+        self.position = spool.cursor(cursor)  # every item through it is delivered
+        self.pending: list[Item] | None = None  # the batch being sent (again, after a failure)
+        self.pending_through = 0  # the seq it was read through
+        self.waiting_since: float | None = None  # when items were first seen waiting
+
+    def read(self, through: int) -> list[Item]:
+        if self.pending is None:  # a batch that failed is sent again as it was read
+            self.pending = self.spool.read(self.position, self.batch, through, self.histograms)
+            self.pending_through = through
+        return self.pending
+
+    def passed(self, through: int) -> None:
+        """Every item of this lane through ``through`` is delivered (or none was waiting)."""
+        self.pending, self.waiting_since = None, None
+        if through > self.position:
+            self.position = through
+            self.spool.confirm(self.cursor, through)
+
+
+class SpooledCourier(_Thread):
+    """Delivers a `TrackerSink`'s items from the spool, in order, each once; the only place
+    delivery retries. A batch that fails is sent again after a backoff (0.5 s doubling to
+    the sink's ``retry_max_s``), the outage warned about once; the spool holds everything
+    meanwhile. Calls posted (flush, close) run once every item appended before them went."""
+
+    _ALERT_WAIT_S = 1.0  # an alert waits at most this long for company
+    _IDLE_S = 0.5
+
+    def __init__(
+        self,
+        sink: TrackerSink,
+        spool: Spool,
+        sink_id: str,
+        on_error: Callable[[str], None],
+        start: bool = True,
+    ) -> None:
+        super().__init__(sink, on_error)
+        self.spool, self.sink_id, self._tracker = spool, sink_id, sink
+        self._lanes = [_Lane(spool, sink_id, False, sink.batch_items)]
+        if sink.histogram_steps > 0:
+            self._lanes.append(_Lane(spool, f"{sink_id}/histograms", True, sink.histogram_steps))
+        self._available = spool.last_seq  # appended items the worker has announced
+        self._last_sent = -float("inf")
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._outage = False
+        self.failures = 0  # sends that failed and were retried
+        self.stalled = False  # the tracker refuses, and waiting does not help
+        self._progress_at = -float("inf")  # the last send that went
+        self.broken: str | None = None  # why delivery stopped for good (an unreadable spool)
+        self._opened = False
+        self.starting = True  # the first send (an SDK's import, a run's creation) is under way
+        self._waiting_for: _Call | None = None  # the flush or close delivery is waited for
+        self._waiting_since = 0.0
+        self._target = self._safe_target()
+        if start:
+            self._thread.start()
+
+    def announce(self, last_seq: int) -> None:
+        """Items through ``last_seq`` are in the spool."""
+        with self._changed:
+            self._available = max(self._available, last_seq)
+            self._changed.notify_all()
+
+    def post_after(self, method: str, *args: Any) -> threading.Event:
+        """`post`, to run once every item announced so far was delivered."""
+        done = threading.Event()
+        with self._changed:
+            self._calls.append((method, (self._available, *args), done))
+            self._changed.notify_all()
+        return done
+
+    def run_here(self) -> None:
+        """Run the delivery loop on the calling thread (``gradtrack sync``)."""
+        self._run()
+
+    def _run(self) -> None:
+        yield_cpu_to_training()
+        try:
+            self._serve()
+        except Exception as exc:  # an unreadable spool: told, and no one is left waiting
+            self.broken = str(exc)
+            self._on_error(f"gradtrack stopped delivering to {type(self.sink).__name__}: {exc}")
+            with self._changed:
+                calls, self._calls = list(self._calls), deque()
+            for _, _, done in calls:
+                if done is not None:
+                    done.set()
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                call = self._calls[0] if self._calls else None
+                through = self._available if call is None else call[1][0]
+            wait_s = self._deliver(through, forced=call is not None)
+            if wait_s is None:
+                continue  # sent something: look again at once
+            if call is not None and all(lane.position >= through for lane in self._lanes):
+                self._run_call(call, complete=True)
+                if call[0] == "close":
+                    return
+                continue
+            if call is not None and self._given_up(call):
+                self._run_call(call, complete=False)
+                if call[0] == "close":
+                    return
+                continue
+            with self._changed:
+                head = self._calls[0] if self._calls else None
+                news = head is not call or (call is None and self._available > through)
+                if not news:
+                    self._changed.wait(wait_s)
+
+    def _deliver(self, through: int, forced: bool) -> float | None:
+        """Send what is due on every lane: None if something went, else how long to wait
+        before anything can be due."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            return self._retry_at - now
+        waits, sent = [self._IDLE_S], False
+        for lane in self._lanes:
+            count, alerts = self.spool.waiting(lane.position, through, lane.histograms)
+            if count == 0:
+                if lane.position < through and (forced or lane.histograms):
+                    lane.passed(through)  # nothing of this lane's kind waits
+                continue
+            if lane.waiting_since is None:
+                lane.waiting_since = now
+            due_in = 0.0 if forced else self._due_in(lane, count, alerts, now)
+            if due_in > 0:
+                waits.append(due_in)
+            elif self._send(lane, through):
+                sent = True
+            else:
+                return max(0.0, self._retry_at - time.monotonic())
+        return None if sent else min(waits)
+
+    def _due_in(self, lane: _Lane, count: int, alerts: int, now: float) -> float:
+        sink = self._tracker
+        if count >= lane.batch:
+            return 0.0
+        assert lane.waiting_since is not None
+        if lane.histograms:
+            return lane.waiting_since + sink.histogram_wait_s - now
+        if alerts:
+            return self._last_sent + self._ALERT_WAIT_S - now
+        return self._last_sent + sink.gather_s - now
+
+    def _send(self, lane: _Lane, through: int) -> bool:
+        items = lane.read(through)
+        if not items:
+            lane.passed(through)
+            return True
+        payloads = [item.payload for item in items]
+        try:
+            if not self._opened:
+                self._tracker.open()
+                self._opened = True
+                self._describe()  # which run, before anything goes to it
+            if lane.histograms:
+                self._tracker.send_histograms(payloads)  # type: ignore[arg-type]
+            else:
+                self._tracker.send(payloads)
+        except Exception as exc:
+            self.starting = False
+            self._failed(exc)
+            return False
+        self.starting = False
+        self._recovered()
+        self._progress_at = time.monotonic()
+        full = len(items) >= lane.batch
+        # A histogram lane's batch short of full held every histogram record it was read
+        # through; any other batch ends at its last item.
+        lane.passed(items[-1].seq if full or not lane.histograms else lane.pending_through)
+        self._last_sent = time.monotonic()
+        self._describe()
+        return True
+
+    def _failed(self, error: Exception) -> None:
+        self.failures += 1
+        self._backoff_s = min(self._tracker.retry_max_s, max(0.5, self._backoff_s * 2))
+        self._retry_at = time.monotonic() + self._backoff_s
+        try:
+            self.stalled = not self._tracker.waiting_helps(error)
+            message = self._tracker.failure_message(error)
+        except Exception as exc:
+            message = f"{type(self.sink).__name__} failed: {error!r} (and {exc!r})"
+        if not self._outage:
+            self._outage = True
+            warn(redact(message))
+
+    def _recovered(self) -> None:
+        self._backoff_s, self._retry_at = 0.0, 0.0
+        self._outage = self.stalled = False
+
+    def _given_up(self, call: _Call) -> bool:
+        """A flush or close stops waiting for delivery when the tracker refuses (waiting does
+        not help), or after the call's ``patience_s`` without a send going through (an
+        outage; the spool keeps the rest for `gradtrack sync`)."""
+        if self._waiting_for is not call:
+            self._waiting_for, self._waiting_since = call, time.monotonic()
+        patience_s = call[1][1] if len(call[1]) > 1 else float("inf")
+        quiet_since = max(self._waiting_since, self._progress_at)
+        return self.stalled or time.monotonic() - quiet_since > patience_s
+
+    def _run_call(self, call: _Call, complete: bool) -> None:
+        with self._changed:
+            self._calls.popleft()
+        self._waiting_for = None
+        method, _, done = call
+        if method == "close":
+            self._call("end", complete)
+        else:
+            self._call(method)
+        if done is not None:
+            done.set()
+
+    def _describe(self) -> None:
+        target = self._safe_target()
+        if target is not None and target != self._target:
+            self._target = target
+            self.spool.describe(self.sink_id, target)
+
+    def _safe_target(self) -> dict[str, Any] | None:
+        try:
+            return self._tracker.spool_target()
+        except Exception:
+            return None
+
+    @property
+    def left(self) -> int:
+        """Items of the spool this courier has not delivered yet."""
+        return max(0, self.spool.last_seq - min(lane.position for lane in self._lanes))
+
+
+def yield_cpu_to_training() -> None:
+    """Lower this thread's scheduling priority: on a busy machine the training threads get
+    the cores first and gradtrack's threads catch up in their gaps (Linux; elsewhere a no-op)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass

@@ -1,0 +1,336 @@
+"""A run's durable spool: every record and alert on local disk before any tracker sees it.
+
+The worker appends each item (a `StepRecord` or an `AlertEvent`) the moment it is built; one
+courier per tracker sink reads them back in order and moves that sink's cursors once the
+tracker really has them. A frozen, killed or late server, a locked database or a process
+that dies therefore loses nothing: what a sink has not confirmed stays on disk, and
+``gradtrack sync PATH`` delivers it later, from the cursors on. The spool is the only backlog
+delivery has.
+
+On disk, one folder per run::
+
+    spool.db     SQLite (WAL): items (seq, kind, has_histograms, body), cursors
+                 (name → last confirmed seq), meta (version, sinks, outcome)
+    spool.lock   held while a process uses the spool
+
+Item bodies are `gradtrack.delivery.codec`'s JSON-plus-arrays: reading a spool runs no code
+from it. Items every cursor has passed are deleted; a run whose sinks confirmed everything
+leaves nothing behind. Past ``max_bytes`` of undelivered items new items are dropped and
+counted: the only way the spool loses anything.
+
+A spool may also live in memory (``path=None``): the same backlog and delivery for a run
+whose spool is off or could not be made, lost with the process.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import re
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradtrack.delivery.codec import CodecError, Payload, decode, encode
+from gradtrack.formats.record import StepRecord as _Record
+
+FORMAT_VERSION = 2
+DB_FILE = "spool.db"
+_OLD_META = "spool.json"  # format 1 (gradtrack 0.1): pickled frames in seg-*.log
+_SERIAL = itertools.count()  # several runs of one process never share a folder
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS items (
+    seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, has_histograms INTEGER NOT NULL,
+    body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS cursors (name TEXT PRIMARY KEY, seq INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+def default_root() -> Path:
+    """``$GRADTRACK_SPOOL_DIR``, else ``$XDG_CACHE_HOME/gradtrack/spool`` (``~/.cache/…``)."""
+    explicit = os.environ.get("GRADTRACK_SPOOL_DIR")
+    if explicit:
+        return Path(explicit)
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "gradtrack" / "spool"
+
+
+def is_spool(path: Path) -> bool:
+    """A spool folder of any format (an old one is told apart when opened)."""
+    return (path / DB_FILE).exists() or (path / _OLD_META).exists()
+
+
+@dataclass(frozen=True)
+class Item:
+    seq: int
+    payload: Payload
+
+
+class SpoolError(Exception):
+    """A spool that cannot be read: not a spool, another format, corrupted, or in use."""
+
+
+class Spool:
+    """One run's append-only log and its sinks' cursors. Appends come from one thread (the
+    worker); each cursor is read and moved by one courier. One connection, one lock: every
+    operation is a short statement."""
+
+    def __init__(self, path: Path | None, max_bytes: int) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._lock_file: io.TextIOWrapper | None = None
+        if path is not None:
+            _refuse_old_format(path)
+            if not (path / DB_FILE).exists():
+                raise SpoolError(f"{path} is not a gradtrack spool (no {DB_FILE})")
+            self._lock_file = _hold_lock(path)
+        try:
+            self._db = sqlite3.connect(
+                ":memory:" if path is None else str(path / DB_FILE),
+                check_same_thread=False,
+                isolation_level=None,  # autocommit; transactions are explicit
+                timeout=30.0,
+            )
+            if path is not None:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")  # a process crash loses nothing
+            self._db.executescript(_SCHEMA)
+            self._check_version()
+            self._bytes = self._scalar("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM items")
+            self._last_seq = self._scalar("SELECT COALESCE(MAX(seq), 0) FROM items")
+            self._last_seq = max(self._last_seq, self._scalar(
+                "SELECT COALESCE(MAX(seq), 0) FROM cursors"))  # fmt: skip
+        except sqlite3.DatabaseError as exc:
+            self._release_lock()
+            raise SpoolError(f"{path} is not a readable gradtrack spool ({exc})") from None
+
+    # -- creating and opening --------------------------------------------------------------
+    @classmethod
+    def create(
+        cls, root: Path, name: str, sinks: dict[str, dict[str, Any]], max_bytes: int
+    ) -> Spool:
+        """A new spool folder under ``root`` for the ``sinks`` (id → how to reach the run)."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
+        path = root / f"{stamp}-{name}-{os.getpid()}-{next(_SERIAL)}"
+        path.mkdir(parents=True, exist_ok=False)
+        _initialise(path / DB_FILE, sinks)
+        return cls(path, max_bytes)
+
+    @classmethod
+    def in_memory(cls, sinks: dict[str, dict[str, Any]], max_bytes: int) -> Spool:
+        """A spool that lives in this process only."""
+        spool = cls(None, max_bytes)
+        with spool._lock:
+            spool._write_meta(spool._db, {"version": FORMAT_VERSION, "sinks": sinks})
+        return spool
+
+    def _check_version(self) -> None:
+        version = self._db.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
+        if self.path is not None and (version is None or json.loads(version[0]) != FORMAT_VERSION):
+            found = None if version is None else version[0]
+            raise SpoolError(
+                f"{self.path} is a spool of format {found}; this gradtrack reads format "
+                f"{FORMAT_VERSION}"
+            )
+
+    # -- the worker's side -----------------------------------------------------------------
+    def append(self, payloads: Iterable[Payload]) -> list[int | None]:
+        """Write the items in one transaction; each one's seq, or None where the spool was
+        full (that item is dropped and counted)."""
+        encoded = [(payload, encode(payload)) for payload in payloads]
+        seqs: list[int | None] = []
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for payload, body in encoded:
+                    if self._bytes + len(body) > self.max_bytes and self._bytes > 0:
+                        self.dropped += 1
+                        seqs.append(None)
+                        continue
+                    seq = self._last_seq + 1
+                    kind = "alert" if not isinstance(payload, _Record) else "record"
+                    histograms = int(isinstance(payload, _Record) and bool(payload.histograms))
+                    self._db.execute(
+                        "INSERT INTO items VALUES (?, ?, ?, ?)", (seq, kind, histograms, body)
+                    )
+                    self._last_seq = seq
+                    self._bytes += len(body)
+                    seqs.append(seq)
+                self._db.execute("COMMIT")  # in the OS: a crash of this process loses nothing
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return seqs
+
+    @property
+    def last_seq(self) -> int:
+        with self._lock:
+            return self._last_seq
+
+    # -- a courier's side ------------------------------------------------------------------
+    def read(
+        self, after: int, limit: int, through: int | None = None, histograms_only: bool = False
+    ) -> list[Item]:
+        """Up to ``limit`` items after seq ``after`` (through ``through``), oldest first;
+        ``histograms_only``: only the records that carry histograms."""
+        through = self.last_seq if through is None else through
+        query = "SELECT seq, body FROM items WHERE seq > ? AND seq <= ?"
+        if histograms_only:
+            query += " AND has_histograms = 1"
+        with self._lock:
+            cursor = self._db.execute(query + " ORDER BY seq LIMIT ?", (after, through, limit))
+            rows = cursor.fetchall()
+        items = []
+        for seq, body in rows:
+            try:
+                items.append(Item(seq, decode(body)))
+            except CodecError as exc:
+                raise SpoolError(f"item {seq} of the spool at {self.path}: {exc}") from None
+        return items
+
+    def waiting(self, after: int, through: int, histograms_only: bool = False) -> tuple[int, int]:
+        """How many items (and how many alerts among them) wait after seq ``after``
+        through ``through``; ``histograms_only``: records carrying histograms."""
+        query = (
+            "SELECT COUNT(*), COALESCE(SUM(kind = 'alert'), 0) FROM items"
+            " WHERE seq > ? AND seq <= ?"
+        )
+        if histograms_only:
+            query += " AND has_histograms = 1"
+        with self._lock:
+            count, alerts = self._db.execute(query, (after, through)).fetchone()
+        return int(count), int(alerts)
+
+    def cursor(self, name: str) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT seq FROM cursors WHERE name = ?", (name,)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def cursors(self) -> dict[str, int]:
+        with self._lock:
+            return {name: int(seq) for name, seq in self._db.execute("SELECT * FROM cursors")}
+
+    def add_cursor(self, name: str, seq: int = 0) -> None:
+        """A cursor that starts at ``seq`` unless it exists already."""
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO cursors VALUES (?, ?)", (name, seq))
+
+    def confirm(self, name: str, seq: int) -> None:
+        """The tracker behind cursor ``name`` has every item through ``seq``: persist it, and
+        delete the items every cursor has passed."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("UPDATE cursors SET seq = MAX(seq, ?) WHERE name = ?", (seq, name))
+                done = self._scalar("SELECT COALESCE(MIN(seq), 0) FROM cursors")
+                freed = self._scalar(
+                    "SELECT COALESCE(SUM(LENGTH(body)), 0) FROM items WHERE seq <= ?", done
+                )
+                if freed:
+                    self._db.execute("DELETE FROM items WHERE seq <= ?", (done,))
+                    self._bytes -= freed
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def describe(self, sink_id: str, target: dict[str, Any]) -> None:
+        """Record how ``gradtrack sync`` reaches this sink's run (e.g. once its id is known)."""
+        with self._lock:
+            sinks = json.loads(self._meta_value("sinks") or "{}")
+            sinks[sink_id] = target
+            self._write_meta(self._db, {"sinks": sinks})
+
+    def note_outcome(self, outcome: str) -> None:
+        """How training ended: a run gradtrack started is ended so once delivered."""
+        with self._lock:
+            self._write_meta(self._db, {"outcome": outcome})
+
+    def meta(self) -> dict[str, Any]:
+        with self._lock:
+            rows = self._db.execute("SELECT key, value FROM meta").fetchall()
+        return {key: json.loads(value) for key, value in rows}
+
+    def undelivered(self) -> int:
+        """Items some cursor has not passed."""
+        with self._lock:
+            done = self._scalar("SELECT COALESCE(MIN(seq), ?) FROM cursors", self._last_seq)
+            return self._last_seq - done
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._db.close()
+            finally:
+                self._release_lock()
+
+    def remove(self) -> None:
+        self.close()
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _scalar(self, query: str, *args: Any) -> int:
+        return int(self._db.execute(query, args).fetchone()[0])
+
+    def _meta_value(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    @staticmethod
+    def _write_meta(db: sqlite3.Connection, values: dict[str, Any]) -> None:
+        db.executemany(
+            "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+            [(key, json.dumps(value)) for key, value in values.items()],
+        )
+
+    def _release_lock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the lock
+            self._lock_file = None
+
+
+def _initialise(file: Path, sinks: dict[str, dict[str, Any]]) -> None:
+    db = sqlite3.connect(str(file), isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+        Spool._write_meta(db, {"version": FORMAT_VERSION, "sinks": sinks})
+    finally:
+        db.close()
+
+
+def _refuse_old_format(path: Path) -> None:
+    if (path / _OLD_META).exists() and not (path / DB_FILE).exists():
+        raise SpoolError(
+            f"{path} is a spool of format 1 (pickled frames, gradtrack 0.1); this gradtrack "
+            f"reads format {FORMAT_VERSION} and never unpickles: deliver it with gradtrack "
+            "0.1's `gradtrack sync`, or delete it"
+        )
+
+
+def _hold_lock(path: Path) -> io.TextIOWrapper | None:
+    """Hold ``path/spool.lock`` while this process uses the spool: a `gradtrack sync` of a
+    spool that a live run still writes would deliver its items twice."""
+    try:
+        import fcntl
+    except ImportError:  # not on POSIX: no guard
+        return None
+    handle = open(path / "spool.lock", "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise SpoolError(f"{path} is in use by another process (a run still delivering)") from None
+    return handle

@@ -1,0 +1,58 @@
+"""`AlertEvent`: what one alert says — the rule, where, by how much, and what to do."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from gradtrack.config.rules import Severity
+
+Stage = Literal["forward", "loss", "backward", "weights"]
+
+
+class AlertEvent(BaseModel):
+    """One alert: what tripped, where, by how much, and what to do about it.
+
+    ``origin_layer`` / ``origin_stage`` say where non-finite gradients were made (see
+    `gradtrack.capture.origin`): ``"forward"`` — the first module, in execution order, whose output
+    was non-finite (None: the input batch already was); ``"loss"`` — the gradient reaching
+    the model output was; ``"backward"`` — the innermost module whose input gradient was
+    non-finite while its output gradient was finite (any module, not only a layer; without a
+    replay, the non-finite layer nearest the loss); ``"weights"`` — the weights were already
+    non-finite (an earlier bad update was applied): the first such layer.
+
+    Per-layer rules that trip in several layers at one step make one event: ``layers`` names
+    them all (depth order), ``layer``/``value``/``threshold`` are the worst of them.
+    """
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
+
+    step: int
+    wall_time: float
+    rule: str
+    layer: str | None
+    statistic: str
+    value: float
+    threshold: float | None
+    severity: Severity
+    message: str
+    rank: int = 0
+    ranks: tuple[int, ...] | None = None  # DDP: ranks whose local gradient was non-finite
+    origin_layer: str | None = None
+    origin_stage: Stage | None = None
+    layers: tuple[str, ...] = ()  # every layer it covers (non-finite: all); () if whole-model
+    # Within its rule's cooldown: not notified (sinks, logs, callbacks never see it), made
+    # only so that a rule whose action is "raise" raises every time.
+    silenced: bool = False
+    # An incident's first mover (`gradtrack.worker.first_mover`): the layer whose gradient norm left
+    # its own range first in the flight recorder's window, and the step its move began.
+    first_mover: str | None = None
+    first_mover_step: int | None = None
+
+    @property
+    def title(self) -> str:
+        where = f" in {self.layer}" if self.layer else ""
+        if len(self.layers) > 1:
+            where += f" and {len(self.layers) - 1} more layers"
+        return f"gradtrack: {self.rule}{where}"

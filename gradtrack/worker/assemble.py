@@ -1,0 +1,305 @@
+"""Turns a collected step into its `StepRecord` and runs the alert rules on it.
+
+Pure apart from the rules' own state: the worker calls it, or, when a rule may raise, the
+training thread, before the optimizer applies the step. One of the two, never both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import numpy as np
+
+from gradtrack.alerts import AlertEngine, AlertEvent
+from gradtrack.config import GradtrackConfig
+from gradtrack.formats.histogram import Histogram, bin_samples
+from gradtrack.formats.record import STAT_COLUMNS, StepRecord, summarise_layers
+from gradtrack.handoff.drops import DropCount
+from gradtrack.handoff.evidence import HostEvidence
+from gradtrack.handoff.layout import (
+    L1,
+    L2,
+    LINF,
+    TENSOR_COLUMNS,
+    FirstInWindow,
+    HostPart,
+    MeshPlaces,
+    TensorIndex,
+    latched_step,
+    spike_fields,
+)
+from gradtrack.handoff.pending import AssembledStep, PendingStep
+from gradtrack.log import report
+from gradtrack.worker.flight_log import FlightLog
+from gradtrack.worker.layer_sums import layer_update_norms, rank_layer_norms
+from gradtrack.worker.noise_scale import StepNoise
+
+T = TypeVar("T")
+NORM = STAT_COLUMNS.index("norm")
+_NONE: dict[str, Any] = {}  # a part that failed adds no field
+
+
+class Assembler:
+    """Builds records from host copies and evaluates the rules; every failing part is
+    reported once and leaves the rest of the record, and the rules, to run."""
+
+    def __init__(
+        self,
+        index: TensorIndex,
+        config: GradtrackConfig,
+        alert_engine: AlertEngine,
+        activation_names: Sequence[str] = (),
+        world_size: int = 0,
+        drops: DropCount | None = None,
+        mesh: MeshPlaces | None = None,
+    ) -> None:
+        self.alert_engine = alert_engine
+        self.drops = drops
+        self.part_errors: dict[str, int] = {}
+        self._index = index
+        self._hist_bins = config.histograms.bins
+        self._hist_scale = config.histograms.scale
+        self._activation_names = tuple(activation_names)
+        self._model_name = config.model_name
+        self._layer_metrics = tuple(config.layer_metrics)
+        self._first_bad_in_window = FirstInWindow(config.layer_every)
+        self._world_size = world_size  # replicated ranks (0: none)
+        self._gather_ranks = config.distributed.gather_ranks
+        self._mesh = mesh
+        self._layer_position = {name: i for i, name in enumerate(index.layer_names)}
+        self.noise = StepNoise(config.noise_scale, index, self._world_size)
+        self.flight: FlightLog | None = None
+        if config.flight.enabled:
+            action = lambda rule, layer: alert_engine.rule(rule, layer).action  # noqa: E731
+            # An incident latched on an accelerator is read at the next logged step, up to
+            # log_every steps on; the ring on the device keeps only flight.steps of them, so
+            # no hand-off brings more than that: the host never needs more slack.
+            slack = min(config.log_every, config.flight.steps)
+            self.flight = FlightLog(index.layer_names, config.flight.steps, slack, action)
+
+    def assemble(self, pending: PendingStep) -> AssembledStep:
+        if not pending.parts:
+            return self._closing(pending)
+        if pending.backward_order is not None:
+            names = self._index.layer_names
+            self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
+        for part in pending.parts:
+            part.wait()
+        evidence = pending.parts[0].evidence()
+        latched = self._latched_record(pending, evidence.latch, pending.step)
+        kept, events = self._judged([latched, self.build_record(pending, evidence)])
+        return AssembledStep(*self._part("flight window", lambda: self._flight(
+            evidence.flight, kept, events), (kept, events)))  # fmt: skip
+
+    def _judged(
+        self, records: list[StepRecord | None]
+    ) -> tuple[list[StepRecord], list[AlertEvent]]:
+        """The records the rules judged, and their events."""
+        kept: list[StepRecord] = []
+        events: list[AlertEvent] = []
+        for record in records:
+            if record is not None:
+                found = self._evaluate(record)
+                if found or record.nan_count or record.inf_count or not record.counted:
+                    record = self._first_bad_in_full(record)
+                kept.append(record)
+                events += found
+        return kept, events
+
+    def _closing(self, pending: PendingStep) -> AssembledStep:
+        """The step handed on at close: the bad step latched after the last logged one, and
+        the window before the last step where training ended in an exception or Ctrl-C."""
+        latched = self._latched_record(pending, pending.latch)
+        records, events = self._judged([latched])
+        records, events = self._part("flight window", lambda: self._flight(
+            pending.flight_rows, records, events), (records, events))  # fmt: skip
+        records += self._part("flight window", lambda: self._ending(pending), [])
+        return AssembledStep(records, events)
+
+    def _flight(
+        self, rows: np.ndarray | None, records: list[StepRecord], events: list[AlertEvent]
+    ) -> tuple[list[StepRecord], list[AlertEvent]]:
+        """The recorder's rows kept; at an incident, its window on its record."""
+        if self.flight is None:
+            return records, events
+        self.flight.add(rows)
+        return self.flight.annotate(records, events)
+
+    def _ending(self, pending: PendingStep) -> list[StepRecord]:
+        """Training ended in an exception (or Ctrl-C): the window before its last step."""
+        if self.flight is None or pending.ending is None:
+            return []
+        record = self.flight.ending(pending.ending, pending.step, pending.wall_time)
+        return [] if record is None else [replace(record, model_name=self._model_name)]
+
+    def _evaluate(self, record: StepRecord) -> list[AlertEvent]:
+        no_events: list[AlertEvent] = []
+        return self._part("alert rules", lambda: self.alert_engine.evaluate(record), no_events)
+
+    def _latched_record(
+        self, pending: PendingStep, latch: np.ndarray | None, logged: int | None = None
+    ) -> StepRecord | None:
+        """The first non-finite step an accelerator's guard latched since the last logged
+        step, as a record of its layer norms (its elements were not counted)."""
+        index = self._index
+        latched = None if latch is None else latched_step(latch, index.n_tensors)
+        if latched is None or latched[0] == logged:
+            return None  # (a logged step that was bad itself is summarised in full)
+        step, norms, spike = latched
+        present = np.flatnonzero(norms != -1.0)
+        rows = np.zeros((len(present), TENSOR_COLUMNS))
+        rows[:, L2] = norms[present]
+        rows[:, L1] = rows[:, LINF] = np.nan
+        layers, stats, total_norm = summarise_layers(
+            index.layer_names, index.tensor_layer[present], index.tensor_numel[present], rows
+        )
+        return StepRecord(
+            step=step, wall_time=pending.wall_time, layers=layers, stats=stats,
+            total_norm=total_norm, model_name=self._model_name,
+            layer_metrics=self._layer_metrics, layer_detail="norms", counted=False,
+            **(spike_fields(spike) if len(spike) else {}),
+        )  # fmt: skip
+
+    def _first_bad_in_full(self, record: StepRecord) -> StepRecord:
+        """The first step in each ``layer_every`` window that was non-finite or raised an
+        alert is written with its per-layer metrics (the step to look at). Only the first:
+        a model tripping a rule at every step would otherwise write every layer every step."""
+        if not self._first_bad_in_window(record.step) or record.per_layer:
+            return record
+        return replace(record, layer_detail="norms")
+
+    def build_record(
+        self, pending: PendingStep, evidence: HostEvidence | None = None
+    ) -> StepRecord:
+        """The step's record from its host copies and ``evidence`` (read from its first part
+        if not given)."""
+        if evidence is None:
+            evidence = pending.parts[0].evidence()
+        index = np.concatenate([part.tensor_index for part in pending.parts])
+        layers, stats, total_norm = summarise_layers(
+            self._index.layer_names,
+            self._index.tensor_layer[index],
+            self._index.tensor_numel[index],
+            np.concatenate([part.stats() for part in pending.parts]),
+        )
+        spike = evidence.spike
+        activations = evidence.activation_norms
+        noise = lambda: self.noise.fields(  # noqa: E731
+            layers, stats[:, NORM], total_norm, evidence, pending.batch)  # fmt: skip
+        return StepRecord(
+            step=pending.step,
+            wall_time=pending.wall_time,
+            layers=layers,
+            stats=stats,
+            total_norm=total_norm,
+            histograms=self._part("histograms", lambda: self._histograms(pending.parts), {}),
+            model_name=self._model_name,
+            layer_metrics=self._layer_metrics,
+            layer_detail="all" if pending.per_layer else "none",
+            dropped_steps=0 if self.drops is None else self.drops.total,
+            skipped_by=pending.skipped_by,
+            skipped_steps=pending.skipped_steps,
+            **(pending.origin or {}),
+            **(spike_fields(spike) if len(spike) else {}),
+            **self._part("update signals", lambda: self.update_fields(pending, layers), _NONE),
+            **self._part("step evidence", lambda: _evidence_fields(evidence), _NONE),
+            **self._part(
+                "activation gradients",
+                lambda: self._activations(activations, pending.activation_order or []),
+                _NONE,
+            ),
+            **self._part("rank norms", lambda: self._ranks(evidence, layers), _NONE),
+            **self._part("noise scale", noise, _NONE),
+        )
+
+    def add_update(self, judged: AssembledStep) -> None:
+        """A step judged before its optimizer step: its record gets the update it applied."""
+        record = judged.records[-1]
+        pending = PendingStep(record.step, record.wall_time, [], update=judged.update)
+        fields = self._part(
+            "update signals", lambda: self.update_fields(pending, record.layers), _NONE
+        )
+        judged.records[-1] = replace(record, **fields)
+
+    def update_fields(self, pending: PendingStep, layers: tuple[str, ...]) -> dict[str, Any]:
+        """``param_norms`` and ``update_norms`` for ``layers``, from the step's update rows."""
+        if pending.update is None:
+            return {}
+        buffer, ready = pending.update
+        if ready is not None:
+            ready.synchronize()
+        index = self._index
+        params, updates = layer_update_norms(
+            buffer.numpy(), index.tensor_layer, len(index.layer_names)
+        )
+        rows = [self._layer_position[name] for name in layers]
+        return {"param_norms": params[rows], "update_norms": updates[rows]}
+
+    def _part(self, name: str, build: Callable[[], T], fallback: T) -> T:
+        """One optional part of a step; a failure is reported once and costs only it."""
+        try:
+            return build()
+        except Exception as exc:  # a bug in one part must not take the step's rules with it
+            self.part_errors[name] = self.part_errors.get(name, 0) + 1
+            if self.part_errors[name] == 1:
+                report(f"gradtrack could not build the {name} of a step: {exc!r}; the rest goes on")
+            return fallback
+
+    def _ranks(self, evidence: HostEvidence, layers: tuple[str, ...]) -> dict[str, Any]:
+        """Replicated ranks' local (pre-all-reduce) gradients: who went non-finite, and with
+        ``gather_ranks`` each rank's layer norms."""
+        if self._mesh is not None:
+            return self._mesh.nonfinite_fields(evidence.rank_flags)
+        local_norms = evidence.rank_norms
+        if not self._world_size or len(local_norms) == 0:
+            return {}
+        index = self._index
+        per_tensor = local_norms.reshape(self._world_size, -1)
+        bad = ~np.isfinite(per_tensor).all(axis=1)
+        fields: dict[str, Any] = {"nonfinite_ranks": tuple(np.flatnonzero(bad).tolist())}
+        if self._gather_ranks:
+            per_layer = rank_layer_norms(per_tensor, index.tensor_layer, len(index.layer_names))
+            position = self._layer_position
+            fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
+        return fields
+
+    def _activations(self, norms: np.ndarray, order: list[int]) -> dict[str, Any]:
+        if not self._activation_names or len(norms) == 0:
+            return {}
+        names = self._activation_names
+        arrived = set(order)
+        observed = {names[i]: float(v) for i, v in enumerate(norms) if i in arrived}
+        first_bad = next((names[i] for i in order if not np.isfinite(norms[i])), None)
+        return {"activation_grad_norms": observed, "activation_origin": first_bad}
+
+    def _histograms(self, parts: Sequence[HostPart]) -> dict[str, Histogram]:
+        per_layer: dict[int, list[np.ndarray]] = {}
+        for part in parts:
+            if part.sample_counts is None:
+                continue
+            layer_of = self._index.tensor_layer[part.tensor_index]
+            pieces = np.split(part.samples(), np.cumsum(part.sample_counts)[:-1])
+            for layer, piece in zip(layer_of.tolist(), pieces):
+                per_layer.setdefault(layer, []).append(piece)
+        histograms = {}
+        for layer, pieces in sorted(per_layer.items()):
+            histogram = bin_samples(np.concatenate(pieces), self._hist_bins, self._hist_scale)
+            if histogram is not None:
+                histograms[self._index.layer_names[layer]] = histogram
+        return histograms
+
+
+def _evidence_fields(evidence: HostEvidence) -> dict[str, Any]:
+    """StepRecord fields from the step's scalar evidence (None where unknown)."""
+    output = evidence.scalar("output_finite")
+    output_grad = evidence.scalar("output_grad_finite")
+    found_inf = evidence.scalar("amp_found_inf")
+    return {
+        "output_finite": None if output is None else bool(output),
+        "output_grad_finite": None if output_grad is None else bool(output_grad),
+        "amp_skipped": None if found_inf is None else found_inf > 0,
+        "amp_scale": evidence.scalar("amp_scale"),
+        "amp_scale_after": evidence.scalar("amp_scale_after"),
+    }

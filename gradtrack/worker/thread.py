@@ -1,0 +1,258 @@
+"""The worker thread: moves steps from the mailbox, through assembly and the rules, to the
+spool and the sinks.
+
+Between the training thread and the worker sits a bounded mailbox (`gradtrack.handoff.mailbox`);
+after it, each sink has a courier thread of its own (`gradtrack.delivery.courier`), so neither the
+training thread nor the worker ever waits on a tracker, and a failing sink is reported once
+and never stops the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from gradtrack.alerts import AlertEvent
+from gradtrack.config import GradtrackConfig
+from gradtrack.delivery.courier import Courier, SpooledCourier, yield_cpu_to_training
+from gradtrack.delivery.progress import wait_while_progressing
+from gradtrack.delivery.spool import Spool, SpoolError, default_root
+from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.drops import DropCount
+from gradtrack.handoff.mailbox import Control, Mailbox, QueuedStep
+from gradtrack.handoff.pending import AssembledStep, PendingStep
+from gradtrack.lifecycle import Outcome
+from gradtrack.log import report
+from gradtrack.sinks.base import GradientSink, TrackerSink
+from gradtrack.worker.actions import AlertActions
+from gradtrack.worker.assemble import Assembler
+
+
+class Worker:
+    """Owns the sinks; every sink call happens on this thread."""
+
+    def __init__(
+        self,
+        assembler: Assembler,
+        sinks: Sequence[GradientSink],
+        mailbox: Mailbox,
+        config: GradtrackConfig,
+        on_alert: Callable[[AlertEvent], None] | None = None,
+        drops: DropCount | None = None,
+    ) -> None:
+        self.drops = drops = drops or DropCount(report)
+        self.spool = open_spool(sinks, config)
+        self.couriers: list[Courier | SpooledCourier] = []
+        for i, sink in enumerate(sinks):
+            if self.spool is not None and isinstance(sink, TrackerSink):
+                courier: Courier | SpooledCourier = SpooledCourier(
+                    sink, self.spool, sink_id(i, sink), report
+                )
+            else:
+                courier = Courier(sink, config.delivery.sink_buffer_steps, drops, report)
+            self.couriers.append(courier)
+        self._patience_s = config.flush_timeout_s
+        self._sync_told = False  # the sync command was named already
+        self.record_errors = 0
+        self.assembler = assembler
+        self._mailbox = mailbox
+        self._max_batch_steps = config.delivery.max_batch_steps
+        self._gather_s = config.delivery.batch_wait_s
+        self.actions = AlertActions(assembler.alert_engine, on_alert)
+        self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def sinks(self) -> list[GradientSink]:
+        return [courier.sink for courier in self.couriers]
+
+    @property
+    def sink_errors(self) -> list[int]:
+        return [courier.errors for courier in self.couriers]
+
+    def request(
+        self, kind: Literal["flush", "stop"], timeout_s: float, outcome: Outcome = "FINISHED"
+    ) -> bool:
+        """Ask the worker to flush (or flush and close) the sinks; False if delivery made no
+        progress for ``timeout_s`` (an outage), or was interrupted (Ctrl-C: the spool keeps
+        what is left, and says so). While steps flow there is no cut: a progress line is
+        logged every few seconds. ``outcome``: how training ended, for tracker sinks (MLflow
+        marks a run it started FINISHED, FAILED or KILLED)."""
+        if not self._thread.is_alive():
+            return True
+        control = Control(kind, outcome)
+        self._mailbox.put_control(control)
+        what = "delivering to " + ", ".join(type(sink).__name__ for sink in self.sinks)
+        try:
+            done = wait_while_progressing(
+                control.done, self.left, timeout_s, what, busy=self._starting
+            )
+        except KeyboardInterrupt:
+            if self.spool is not None and self.spool.path is not None:
+                report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
+            raise
+        if done and kind == "stop":
+            # Let the thread end (and free its tensors) before the caller goes on: at
+            # interpreter exit a worker still tearing down can abort the process.
+            self._thread.join(timeout_s)
+        return done
+
+    def left(self) -> int:
+        """Steps and alerts not yet delivered: waiting for the worker, or in the spool."""
+        spooled = [c.left for c in self.couriers if isinstance(c, SpooledCourier)]
+        return len(self._mailbox) + max(spooled, default=0)
+
+    def _starting(self) -> bool:
+        return any(c.starting and c.left for c in self.couriers if isinstance(c, SpooledCourier))
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug must be told, not die silently with the data
+            report(f"gradtrack's worker thread stopped: {exc!r}; steps are no longer delivered")
+            self._mailbox.close()
+
+    def _serve(self) -> None:
+        yield_cpu_to_training()
+        while True:
+            records: list[StepRecord] = []
+            events: list[AlertEvent] = []
+            for item in self._mailbox.take(self._max_batch_steps, self._gather_s):
+                if not isinstance(item, Control):
+                    self._process(item, records, events)
+                    continue
+                self._hand_over(records, events)
+                records, events = [], []
+                self._finish(item)
+                if item.kind == "stop":
+                    return
+            self._hand_over(records, events)
+
+    def _finish(self, control: Control) -> None:
+        """Have every sink flush (or flush and close) after what it was handed, and mark
+        ``control`` done once all have — waiting for that on a thread of its own, so that
+        a sink stuck on its tracker never holds up the worker."""
+        if control.kind == "stop":
+            for sink in self.sinks:
+                if isinstance(sink, TrackerSink):
+                    sink.outcome = control.outcome
+            if self.spool is not None:
+                self.spool.note_outcome(control.outcome)
+        finished = []
+        for courier in self.couriers:
+            if isinstance(courier, SpooledCourier):
+                finished.append(courier.post_after("flush", self._patience_s))
+                if control.kind == "stop":
+                    finished.append(courier.post_after("close", self._patience_s))
+            else:
+                finished.append(courier.post("flush"))
+                if control.kind == "stop":
+                    finished.append(courier.post("close"))
+
+        def wait() -> None:
+            for event in finished:
+                event.wait()
+            if control.kind == "stop" and self.spool is not None:
+                self._release_spool(self.spool)
+            control.done.set()
+
+        threading.Thread(target=wait, name="gradtrack-flush", daemon=True).start()
+
+    def _process(
+        self, item: QueuedStep, records: list[StepRecord], events: list[AlertEvent]
+    ) -> None:
+        try:
+            step = self.assembler.assemble(item) if isinstance(item, PendingStep) else item
+            if isinstance(item, AssembledStep) and item.update is not None:
+                self.assembler.add_update(item)
+        except Exception as exc:  # a bug here must not stop the worker
+            self.record_errors += 1
+            if self.record_errors == 1:
+                number = item.step if isinstance(item, PendingStep) else item.records[-1].step
+                report(f"gradtrack could not summarise step {number}: {exc!r}")
+            return
+        records.extend(step.records)
+        for event in step.events:
+            if not event.silenced:  # within its rule's cooldown: it only raised
+                events.append(event)
+                self.actions.act(event)
+
+    def _hand_over(self, records: list[StepRecord], events: list[AlertEvent]) -> None:
+        if self.spool is not None and (records or events):
+            self._append(self.spool, records, events)
+        for courier in self.couriers:
+            if isinstance(courier, SpooledCourier):
+                if self.spool is not None:
+                    courier.announce(self.spool.last_seq)
+                continue
+            if records:
+                courier.write(records)
+            for event in events:
+                courier.alert(event)
+
+    def _append(self, spool: Spool, records: list[StepRecord], events: list[AlertEvent]) -> None:
+        items: list[StepRecord | AlertEvent] = [*records, *events]
+        try:
+            seqs = spool.append(items)
+        except Exception as exc:  # a full disk: counted as lost, told once, never raised
+            seqs = [None] * len(items)
+            reason = f"the spool at {spool.path or 'memory'} cannot be written ({exc!r})"
+        else:
+            reason = (
+                f"the spool at {spool.path or 'memory'} holds {spool.max_bytes >> 20} MiB not "
+                "yet delivered, its bound (spool.mib)"
+            )
+        lost = sum(seq is None for seq, item in zip(seqs, items) if isinstance(item, StepRecord))
+        if lost:
+            self.drops.add(lost, reason)
+
+    def _release_spool(self, spool: Spool) -> None:
+        """Delete the spool once every sink confirmed it; else keep it and say how to sync."""
+        left = spool.undelivered()
+        spool.close()
+        if left == 0:
+            spool.remove()
+        elif not self._sync_told:
+            self._sync_told = True
+            hint = self.sync_hint()
+            report(f"gradtrack could not deliver to every tracker before closing; {hint}")
+
+    def sync_hint(self) -> str:
+        """Where undelivered items wait, and the command that delivers them."""
+        if self.spool is None or self.spool.path is None:
+            return "steps still queued are lost with this process (the spool is off)"
+        self._sync_told = True
+        path = self.spool.path
+        return (
+            f"{self.left():,} item(s) (steps and alerts) not yet delivered are kept in {path}; "
+            f"deliver them with: gradtrack sync {path}"
+        )
+
+
+def sink_id(index: int, sink: GradientSink) -> str:
+    """The name a sink's cursor has in the spool, e.g. ``0-MlflowSink``."""
+    return f"{index}-{type(sink).__name__}"
+
+
+def open_spool(sinks: Sequence[GradientSink], config: GradtrackConfig) -> Spool | None:
+    """The run's spool, if a sink delivers to a tracker: on disk if ``config.spool.enabled``
+    and it can be created there (else that is reported), in memory otherwise."""
+    targets = {
+        sink_id(i, sink): sink.spool_target()
+        for i, sink in enumerate(sinks)
+        if isinstance(sink, TrackerSink)
+    }
+    if not targets:
+        return None
+    limit = config.spool.mib << 20
+    if config.spool.enabled:
+        root = config.spool.dir or default_root()
+        try:
+            return Spool.create(root, config.model_name or "run", targets, limit)
+        except (OSError, SpoolError) as exc:
+            report(
+                f"gradtrack could not create its spool under {root} ({exc!r}); steps wait "
+                "in memory instead (set spool.dir or GRADTRACK_SPOOL_DIR to a writable folder)"
+            )
+    return Spool.in_memory(targets, limit)
