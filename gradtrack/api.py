@@ -82,7 +82,7 @@ def open_watcher(
             sink.close()
         raise
     if sinks:
-        missing = watcher.stepper.signals.missing
+        missing = watcher.judge.signals.missing
         logger.info(
             "watching %d layers of %s, every %d steps, into %s%s",
             len(watcher.layer_names), type(unwrap_model(model)).__name__, config.log_every,

@@ -22,6 +22,7 @@ from gradtrack import lifecycle
 from gradtrack.alerts import AlertEngine, AlertEvent
 from gradtrack.capture.collect import Collector
 from gradtrack.capture.distributed import is_dtensor, rank_group
+from gradtrack.capture.handover import Handover
 from gradtrack.capture.layers import (
     activation_modules,
     discover_layers,
@@ -31,14 +32,16 @@ from gradtrack.capture.layers import (
 )
 from gradtrack.capture.probes import Probes, StepSource
 from gradtrack.capture.schedule import StepSchedule
+from gradtrack.capture.step_collect import StepCollector
+from gradtrack.capture.step_rules import StepRules
 from gradtrack.capture.step_signals import build_signals
 from gradtrack.capture.stepper import Stepper
 from gradtrack.capture.verdict import StepJudge
 from gradtrack.config import GradtrackConfig
-from gradtrack.errors import GradientAlertError, GradtrackError
+from gradtrack.config.rules import SKIPPABLE
+from gradtrack.errors import GradtrackError
 from gradtrack.handoff.drops import DropCount
 from gradtrack.handoff.mailbox import Mailbox
-from gradtrack.handoff.pending import AssembledStep, PendingStep
 from gradtrack.lifecycle import Outcome, outcome_of
 from gradtrack.log import logger, report, warn
 from gradtrack.sinks.base import GradientSink
@@ -97,7 +100,7 @@ class Watcher:
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
         self._steps = steps
-        self._assemble(sinks, on_alert, own_steps=optimizer is not None and scaler is None)
+        self._build_step_path(sinks, on_alert, own_steps=optimizer is not None and scaler is None)
         try:
             self.probes.attach_step_source(
                 model, params, optimizer, scaler, steps, self.judge.signals.skips is not None, self
@@ -117,7 +120,7 @@ class Watcher:
         _WATCHED[inner] = self
         lifecycle.opened(self)
 
-    def _assemble(
+    def _build_step_path(
         self, sinks: Sequence[GradientSink], on_alert: AlertCallback | None, own_steps: bool
     ) -> None:
         """The parts a step passes through, from its verdict to the sinks."""
@@ -128,8 +131,15 @@ class Watcher:
         every_step = self.ranks is None or replicated
         own_steps = own_steps and self._steps == "auto"
         signals = build_signals(config, self.collector, own_steps, every_step)
-        raises = "raise" in config.alerts.actions()
-        self.judge = StepJudge(self.collector, signals, raises, every_step, self._collect_failed)
+        raising = config.alerts.with_action("raise")
+        # A raise rule the step's norms cannot judge has the worker judge every due step.
+        judge_due = bool(set(raising) - set(SKIPPABLE)) or (bool(raising) and not every_step)
+        raises = StepRules(config.alerts, self.collector.index.layer_names, "raise")
+        self.schedule = StepSchedule(config)
+        self.judge = StepJudge(
+            self.collector, signals, self.schedule, raises, judge_due, every_step,
+            self._collect_failed,
+        )  # fmt: skip
         self.assembler = Assembler(
             self.collector.index, config, self.alert_engine, self.activation_names,
             world_size=self.ranks.world_size if self.ranks and replicated else 0, drops=self.drops,
@@ -139,21 +149,11 @@ class Watcher:
             self.assembler, sinks, self.mailbox, config, on_alert=on_alert, drops=self.drops
         )
         self.probes = Probes()
-        self.schedule = StepSchedule(config)
-        self.stepper = Stepper(
-            self.collector, self.schedule, self.judge, signals, self.probes, self._judge_now,
-            self.mailbox, self.ranks, self._collect_failed,
-        )  # fmt: skip
-
-    def _judge_now(self, pending: PendingStep) -> tuple[AssembledStep, GradientAlertError | None]:
-        """A raise rule's judgement, in the training thread: the step's record and alerts, and
-        the error the first raising alert makes."""
-        assembled = self.assembler.assemble(pending)
-        for event in assembled.events:
-            rule = self.alert_engine.rule(event.rule, event.layer)
-            if rule.action == "raise" and event.severity != "info":
-                return assembled, GradientAlertError(event)
-        return assembled, None
+        collect = StepCollector(self.collector, self.ranks, signals.flight, self._collect_failed)
+        handover = Handover(
+            self.mailbox, signals.updates, self.ranks, config.flush_timeout_s, self._collect_failed
+        )
+        self.stepper = Stepper(self.judge, collect, handover, self.probes)
 
     # -- public state -------------------------------------------------------------------
     @property

@@ -298,3 +298,49 @@ def test_accelerator_path_latches_an_unlogged_nan_step_without_a_host_read() -> 
     nonfinite = only(sink.events, "nonfinite")
     assert nonfinite[0].step == 13 and nonfinite[0].layer == "2"
     assert nonfinite[0].layers == ("0", "2") and "not counted" in nonfinite[0].message
+
+
+def _assembling_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The threads that build records, spied on (the real assembly runs)."""
+    from gradtrack.worker.assemble import Assembler
+
+    threads: list[str] = []
+    assemble = Assembler.assemble
+
+    def spied(self: Assembler, pending: object) -> object:
+        import threading
+
+        threads.append(threading.current_thread().name)
+        return assemble(self, pending)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Assembler, "assemble", spied)
+    return threads
+
+
+def test_a_raise_rule_the_norms_trip_is_judged_by_the_worker_before_the_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads = _assembling_threads(monkeypatch)
+    model = deep_model()
+    sink, raised, _ = train_poisoned(
+        model, 30, poison_at={13}, alerts={"nonfinite": {"action": "raise"}}
+    )
+    assert raised == [13] and all(torch.isfinite(p).all() for p in model.parameters())
+    assert threads and set(threads) == {"gradtrack-worker"}  # never the training thread
+    (event,) = only(sink.events, "nonfinite")
+    assert event.step == 13 and event.layer == "3"  # the worker's event, its origin named
+
+
+def test_a_raise_rule_only_the_worker_can_judge_stops_at_its_logged_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vanishing needs the record (patience over logged steps): each logged step is judged
+    by the worker before its optimizer step, and the update signals still reach it."""
+    threads = _assembling_threads(monkeypatch)
+    model = deep_model()
+    rules = {"vanishing": {"action": "raise", "threshold": 1e3, "patience": 3}}
+    sink, raised, _ = train_poisoned(model, 40, poison_at=set(), alerts=rules)
+    assert raised == [20, 30]  # patience 3 of the logged steps 0, 10, 20; then every one
+    assert set(threads) == {"gradtrack-worker"}
+    judged = [r for r in sink.records if r.step in (0, 10)]
+    assert len(judged) == 2 and all(r.update_norms is not None for r in judged)

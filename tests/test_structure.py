@@ -169,3 +169,31 @@ def test_old_module_paths_still_import_for_one_release(old: str) -> None:
     with pytest.warns(DeprecationWarning, match=f"gradtrack.{old} moved to gradtrack.{MOVED[old]}"):
         module = importlib.import_module(f"gradtrack.{old}")
     assert module is importlib.import_module(f"gradtrack.{MOVED[old]}")
+
+
+def test_the_step_path_has_few_parts() -> None:
+    """The stepper takes four collaborators: judge (→ plan), collect (→ pending step),
+    hand-off, and the probes; the plan alone decides whether a step writes its per-layer
+    metrics."""
+    import inspect
+
+    from gradtrack.capture.stepper import Stepper
+
+    parameters = list(inspect.signature(Stepper.__init__).parameters)[1:]
+    assert parameters == ["judge", "collect", "handover", "probes"]
+    deciding = [
+        name
+        for name, path in MODULES.items()
+        if name.startswith("gradtrack.capture") and ".per_layer(" in path.read_text()
+    ]
+    assert deciding == ["gradtrack.capture.verdict"]
+
+
+def test_skip_raise_and_alerts_share_one_check_per_rule_family() -> None:
+    trips = "gradtrack.handoff.trips"
+    users = sorted(name for name, deps in GRAPH.items() if trips in deps)
+    assert users == [
+        "gradtrack.alerts.exploding",
+        "gradtrack.alerts.nonfinite",
+        "gradtrack.capture.step_rules",
+    ]

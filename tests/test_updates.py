@@ -103,7 +103,7 @@ def test_unlogged_steps_take_no_snapshot() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     watcher = gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer, update_signals=True)
     taken = []
-    probe = watcher.stepper.signals.updates
+    probe = watcher.judge.signals.updates
     assert probe is not None
     original = probe.before
     probe.before = lambda: (taken.append(watcher.step - 1), original())  # type: ignore[method-assign,func-returns-value]
@@ -185,7 +185,7 @@ def test_the_default_keeps_a_few_kib_per_tensor_and_changes_no_training() -> Non
             nn.functional.cross_entropy(model(images), labels).backward()
             optimizer.step()
         if watcher is not None:
-            probe = watcher.stepper.signals.updates
+            probe = watcher.judge.signals.updates
             assert isinstance(probe, SampledUpdateProbe)
             assert probe.sample_bytes == 4 * (432 + 16 + 1024 + 32 + 1024 + 10)
             watcher.close()

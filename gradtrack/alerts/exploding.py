@@ -12,6 +12,7 @@ from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.trips import exploding_columns
 
 
 class ExplodingCheck(Check):
@@ -24,11 +25,8 @@ class ExplodingCheck(Check):
     def layers(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
         """Every layer above its threshold; Python work only for those."""
         norms = record.column("norm")
-        explodes = (
-            self.book.enabled("exploding", idx)
-            & np.isfinite(norms)
-            & (norms > self.book.param("exploding", "threshold", idx))
-        )
+        threshold = self.book.param("exploding", "threshold", idx)
+        explodes = exploding_columns(norms, threshold, self.book.enabled("exploding", idx))
         events: list[AlertEvent] = []
         for j in np.flatnonzero(explodes):
             events += self.check(record, record.layers[j], float(norms[j]))

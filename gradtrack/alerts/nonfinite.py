@@ -17,6 +17,7 @@ from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.alerts.wording import SHOWN_LAYERS, listed
 from gradtrack.formats.event import AlertEvent, Stage
 from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.trips import nonfinite_columns
 
 
 class NonFiniteCheck(Check):
@@ -33,7 +34,7 @@ class NonFiniteCheck(Check):
         """One event for every layer whose gradient holds NaN or Inf, named by its origin."""
         nan_counts, inf_counts = record.column("nan"), record.column("inf")
         norms = record.column("norm")  # exact: non-finite only where an element is
-        rows = np.flatnonzero((nan_counts > 0) | (inf_counts > 0) | ~np.isfinite(norms))
+        rows = np.flatnonzero(nonfinite_columns(norms, nan_counts, inf_counts))
         if len(rows) == 0 or not self.book.rule("nonfinite", None).enabled:
             return []
         bad = [record.layers[j] for j in rows]

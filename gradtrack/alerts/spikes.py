@@ -16,9 +16,9 @@ class SpikeCheck(Check):
     """Words the spikes of a step; the window's statistics come with the record."""
 
     def check(self, record: StepRecord) -> list[AlertEvent]:
-        """The columns `gradtrack.capture.spike.NormWindow` flagged at this step, on the device
-        (every
-        step; a step between logged ones reaches here when it spiked)."""
+        """The columns the every-step spike window flagged at this step, on the device (a
+        step between logged ones reaches here when it spiked): the flags are the check, the
+        same that ``skip`` and ``raise`` act on in the training thread."""
         if record.spiking is None or record.spike_z is None or record.spike_typical is None:
             return []
         events: list[AlertEvent] = []

@@ -14,76 +14,36 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from gradtrack.capture.step_rules import StepRules, Trip
 from gradtrack.config.rules import AlertRules
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.event import AlertEvent
-from gradtrack.handoff.layout import spike_fields
 
-
-class Skip(NamedTuple):
-    """Why one step is left out: the rule, and the layer it names (None: the total norm)."""
-
-    rule: str
-    layer: str | None
+Skip = Trip  # why one step is left out: the rule, and the layer it names (None: the total)
 
 
 class SkipPolicy:
-    """Which steps the ``skip`` rules leave out, judged per column of the layer norms: 0 the
-    total, ``1 + i`` layer ``i`` (as `gradtrack.capture.spike.LayerNorms` orders them)."""
+    """Which steps the ``skip`` rules leave out (`StepRules` for ``action="skip"``), and how
+    many in a row before skipping gives way to an error."""
 
     def __init__(self, rules: AlertRules, layer_names: Sequence[str], max_consecutive: int):
-        self.layer_names = tuple(layer_names)
+        self.rules = StepRules(rules, layer_names, "skip")
         self.max_consecutive = max_consecutive
         self.consecutive = 0
         self.total = 0
-        columns: list[str | None] = [None, *layer_names]
-
-        def skips(rule: str) -> np.ndarray:
-            return np.array(
-                [
-                    rules.for_layer(rule, layer).enabled
-                    and rules.for_layer(rule, layer).action == "skip"
-                    for layer in columns
-                ]
-            )
-
-        self._nonfinite, self._spike, self._exploding = (
-            skips(rule) for rule in ("nonfinite", "spike", "exploding")
-        )
-        self._explode_at = np.array(
-            [rules.for_layer("exploding", layer).threshold for layer in columns], dtype=np.float64
-        )
 
     def decide(self, finite: bool, norms: np.ndarray, spike: np.ndarray | None) -> Skip | None:
-        """The first of nonfinite, spike, exploding whose skip rule this step trips
-        (``finite``: the guard's verdict over every device; ``norms`` cover the first)."""
-        if not finite:
-            bad = np.flatnonzero(~np.isfinite(norms[1:])) + 1
-            column = int(bad[0]) if len(bad) else 0
-            if self._nonfinite[column]:
-                return self._skip("nonfinite", column)
-        if spike is not None:
-            fields = spike_fields(spike)
-            spiking = fields["spiking"] & self._spike
-            if spiking.any():
-                z = np.where(spiking, fields["spike_z"], -np.inf)
-                return self._skip("spike", int(np.argmax(z[1:]) + 1) if spiking[1:].any() else 0)
-        with np.errstate(invalid="ignore"):
-            over = np.isfinite(norms) & (norms > self._explode_at) & self._exploding
-        if over.any():
-            past = np.where(over, norms / self._explode_at, -np.inf)
-            return self._skip("exploding", int(np.argmax(past)))
-        self.consecutive = 0
-        return None
-
-    def _skip(self, rule: str, column: int) -> Skip:
-        return Skip(rule, None if column == 0 else self.layer_names[column - 1])
+        """The first of nonfinite, spike, exploding whose skip rule this step trips."""
+        skip = self.rules.find(finite, norms, spike)
+        if skip is None:
+            self.consecutive = 0
+        return skip
 
     def count(self, step: int, skip: Skip) -> GradientAlertError | None:
         """Count a skip; or, once ``max_consecutive`` steps in a row were skipped, the error

@@ -13,6 +13,7 @@ from gradtrack.capture.spike import LayerNorms, NormWindow
 from gradtrack.capture.update_sample import SampledUpdateProbe
 from gradtrack.capture.updates import UpdateProbe
 from gradtrack.config import GradtrackConfig
+from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradtrackError
 
 
@@ -65,7 +66,8 @@ def build_signals(
         signals.journal = Journal(config.skip.journal)
     if config.flight.enabled and guard_every_step:
         signals.flight = FlightRecorder(config.flight.steps + 1, len(layer_names))  # + the incident
-    if signals.spikes is not None or signals.skips is not None or signals.flight is not None:
+    raise_rules = rules.with_action("raise", SKIPPABLE)  # judged on every step's norms
+    if signals.spikes or signals.skips or signals.flight or raise_rules:
         signals.layer_norms = LayerNorms(collector.index.tensor_layer, len(layer_names))
     if exact:
         signals.updates = UpdateProbe(collector.params)

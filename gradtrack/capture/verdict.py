@@ -1,10 +1,16 @@
-"""Every step's guard and its verdict, on the training thread: finite or not, spiking or
-not, and the skip a rule asks for — known now where that costs no wait for the device, else
-latched on the device for the next logged step (`gradtrack.capture.latch`)."""
+"""Every step's guard, its verdict and its plan, on the training thread.
+
+The verdict: finite or not, spiking or not, and the skip or raise a per-step rule asks for —
+known now where that costs no wait for the device, else latched on the device for the next
+logged step (`gradtrack.capture.latch`). The plan: what the step then needs — summarised or
+not, with its per-layer metrics or not (decided here, once, and carried to the worker), and
+judged by the worker before its optimizer step or not.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -12,9 +18,12 @@ import torch
 
 from gradtrack.capture.collect import Collector, Guard
 from gradtrack.capture.latch import BadStepLatch
+from gradtrack.capture.schedule import StepSchedule
 from gradtrack.capture.skip import Skip
 from gradtrack.capture.spike import on_host
+from gradtrack.capture.step_rules import StepRules, Trip
 from gradtrack.capture.step_signals import Signals
+from gradtrack.errors import GradientAlertError
 from gradtrack.handoff.layout import spike_fields
 
 OnError = Callable[[int, Exception], None]
@@ -24,32 +33,76 @@ class Verdict(NamedTuple):
     finite: bool
     spiking: bool
     skip: Skip | None  # the skip a rule asks for
+    trip: Trip | None = None  # the per-step rule whose action "raise" this step trips
 
 
 UNKNOWN = Verdict(True, False, None)  # (latched instead, or FSDP2: the logged steps judge)
 
 
-class StepJudge:
-    """Guards each step (one batched norm pass) and judges it.
+@dataclass
+class StepPlan:
+    """What one step turned out to need, from its schedule and its verdict."""
 
-    ``raise_on_alert``: a rule may raise. It, or a skip rule, must see every step's
-    verdict, paying one read per step on an accelerator. ``every_step``: the verdict is read
-    at every step; under FSDP2 each rank sees only its shards, so unlogged steps would need
-    a collective, and the verdict comes with the logged steps instead.
+    step: int
+    guard: Guard
+    logged: bool
+    with_samples: bool
+    verdict: Verdict
+    spike: torch.Tensor | None
+    error: GradientAlertError | None  # a skip rule that escalated (max_consecutive)
+    first_bad: bool  # the first non-finite step of its ``layer_every`` window
+    first_flagged: bool  # that, or the first spiking step of its window
+    per_layer: bool  # written with its per-layer metrics (max and mean |g| computed)
+    judge_now: bool  # the worker judges it before its optimizer step (a raise rule)
+    skipped_steps: int  # steps skip rules left out so far
+
+    @property
+    def skip(self) -> Skip | None:
+        return self.verdict.skip
+
+    @property
+    def bad(self) -> bool:
+        return not self.verdict.finite
+
+    @property
+    def due(self) -> bool:
+        return self.logged or self.with_samples
+
+    @property
+    def needs_record(self) -> bool:
+        """Summarised: a due step, the first flagged one of its window, a skipped one, or
+        one the worker must judge now."""
+        flagged = self.first_flagged or self.skip is not None or self.error is not None
+        return self.due or flagged or self.judge_now
+
+
+class StepJudge:
+    """Guards each step (one batched norm pass), judges it and plans it.
+
+    ``raises``: the per-step rules whose action is "raise"; they, or a skip rule, must see
+    every step's verdict, paying one read per step on an accelerator. ``judge_due``: a raise
+    rule only the worker can judge (or a layout whose unlogged steps have no verdict) has it
+    judge every due step before its optimizer step. ``every_step``: the verdict is read at
+    every step; under FSDP2 each rank sees only its shards, so unlogged steps would need a
+    collective, and the verdict comes with the logged steps instead.
     """
 
     def __init__(
         self,
         collector: Collector,
         signals: Signals,
-        raise_on_alert: bool,
+        schedule: StepSchedule,
+        raises: StepRules,
+        judge_due: bool,
         every_step: bool,
         on_error: OnError,
     ) -> None:
         self.collector = collector
         self.signals = signals
-        self.raise_on_alert = raise_on_alert
-        self.judge_now = raise_on_alert or signals.skips is not None
+        self.schedule = schedule
+        self.raises = raises
+        self.judge_due = judge_due
+        self.judge_now = bool(raises) or signals.skips is not None
         self.every_step = every_step
         # None: the verdict is read at each step on the CPU, and latched on the device for
         # the next logged step elsewhere; False: latched everywhere (how tests take the
@@ -59,6 +112,45 @@ class StepJudge:
         self._on_error = on_error
         # The last judged step's total and layer norms (`LayerNorms`), on the device.
         self.layer_norms: torch.Tensor | None = None
+
+    def plan(self, step: int, micro_batches: list[int]) -> StepPlan | None:
+        """Guard step ``step``, judge it, record it in the flight recorder and plan it; None
+        if guarding failed (reported)."""
+        logged, with_samples = self.schedule.due(step)
+        guard = self.guard(step, exact=logged or with_samples)
+        if guard is None:
+            return None
+        verdict, spike = self.judge(guard, step)
+        error = None
+        skips = self.signals.skips
+        if verdict.skip is not None and skips is not None:
+            error = skips.count(step, verdict.skip)
+            if error is None:
+                self._write_journal(step, verdict.skip, micro_batches)
+            else:
+                verdict = verdict._replace(skip=None)
+        if self.signals.flight is not None:  # one copy on the device
+            self.signals.flight.record(step, self.layer_norms, self._on_error, self.holding())
+        bad = not verdict.finite
+        first_bad = bad and self.schedule.first_bad(step)
+        spiked = verdict.spiking and not bad and self.schedule.first_spike(step)
+        first_flagged = first_bad or spiked
+        due = logged or with_samples
+        return StepPlan(
+            step, guard, logged, with_samples, verdict, spike, error, first_bad, first_flagged,
+            per_layer=(due and self.schedule.per_layer(step)) or first_flagged,
+            judge_now=verdict.trip is not None or (due and self.judge_due),
+            skipped_steps=0 if skips is None else skips.total,
+        )  # fmt: skip
+
+    def exact(self, plan: StepPlan) -> None:
+        """A bad or skipped step is summarised: its norms must be exact."""
+        if not plan.guard.exact:
+            plan.guard = self.guard(plan.step, exact=True) or plan.guard
+
+    def evidence(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's spike vector and latch for its record."""
+        return self.spike_or_unknown(plan.guard, plan.spike), self.take_latch(plan.guard)
 
     def guard(self, step: int, exact: bool) -> Guard | None:
         """Each gradient's L2 norm, in one batched pass on its device (exact where the step
@@ -124,8 +216,11 @@ class StepJudge:
         cpu = all(part.device.type == "cpu" for part in guard.devices)
         if not self.judge_now and (self.reads_host is False or not cpu):
             return None
-        if norms is None:
-            return Verdict(bool(guard.finite(wait=True)), False, None)
+        if norms is None:  # (the layer norms failed: only the total can be judged)
+            finite = bool(guard.finite(wait=True))
+            total = np.full(1, np.nan if not finite else 0.0)
+            trip = self.raises.find(finite, total, None) if self.raises else None
+            return Verdict(finite, False, None, trip)
         if cpu:  # host memory already: nothing to wait for, nothing to copy
             finite = bool(guard.finite())
             layer_norms = norms.numpy()
@@ -140,7 +235,8 @@ class StepJudge:
         spiking = spike_host is not None and bool(spike_fields(spike_host)["spiking"].any())
         skips = self.signals.skips
         skip = None if skips is None else skips.decide(finite, layer_norms, spike_host)
-        return Verdict(finite, spiking, skip)
+        trip = self.raises.find(finite, layer_norms, spike_host) if self.raises else None
+        return Verdict(finite, spiking, skip, trip)
 
     def _latch(self, guard: Guard, step: int, spike: torch.Tensor | None) -> None:
         if self.latch is None:
@@ -148,3 +244,12 @@ class StepJudge:
             spike_size = 0 if spikes is None else spikes.size
             self.latch = BadStepLatch(len(self.collector.params), spike_size)
         self.latch.update(guard, step, spike)
+
+    def _write_journal(self, step: int, skip: Skip, micro_batches: list[int]) -> None:
+        journal = self.signals.journal
+        if journal is None:
+            return
+        try:
+            journal.add(step, skip, micro_batches)
+        except OSError as exc:  # the step is still skipped; only its journal line is lost
+            self._on_error(step, exc)

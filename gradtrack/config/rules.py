@@ -7,6 +7,7 @@ fields for layers matching a glob pattern.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import (
@@ -212,10 +213,18 @@ class AlertRules(BaseModel):
 
     def skip_rules(self) -> tuple[str, ...]:
         """The rules whose action is ``skip`` (by the rule, or for some layer)."""
-        named = {name for name in SKIPPABLE if getattr(self, name).action == "skip"}
+        return self.with_action("skip", SKIPPABLE)
+
+    def with_action(self, action: str, among: Sequence[str] = tuple(RULE_TYPES)) -> tuple[str, ...]:
+        """The rules of ``among`` whose action is ``action`` (by the rule, or for some layer).
+
+        >>> AlertRules(vanishing={"action": "raise"}).with_action("raise")
+        ('vanishing',)
+        """
+        named = {name for name in among if getattr(self, name).action == action}
         for rules in self.layers.values():
-            named |= {name for name, fields in rules.items() if fields.get("action") == "skip"}
-        return tuple(name for name in SKIPPABLE if name in named)
+            named |= {name for name, fields in rules.items() if fields.get("action") == action}
+        return tuple(name for name in among if name in named)
 
     def actions(self) -> set[str]:
         actions = {getattr(self, name).action for name in RULE_TYPES}

@@ -10,7 +10,7 @@ from typing import Literal
 
 from gradtrack.config import DeliveryOptions
 from gradtrack.handoff.drops import DropCount
-from gradtrack.handoff.pending import AssembledStep, PendingStep
+from gradtrack.handoff.pending import PendingStep, UpdateFollowUp
 from gradtrack.lifecycle import Outcome
 
 
@@ -21,14 +21,14 @@ class Control:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-QueuedStep = PendingStep | AssembledStep
+QueuedStep = PendingStep | UpdateFollowUp
 QueuedItem = QueuedStep | Control
 
 
 def _nbytes(item: QueuedStep) -> int:
-    """Memory a queued step holds (its host copies and samples, or its record's rows)."""
-    if isinstance(item, AssembledStep):
-        return sum(record.stats.nbytes for record in item.records)
+    """Memory a queued step holds (its host copies and samples; an update's rows)."""
+    if isinstance(item, UpdateFollowUp):
+        return 0 if item.update is None else item.update[0].nbytes
     return sum(
         part.buffer.nbytes + (0 if part.cpu_samples is None else part.cpu_samples.nbytes)
         for part in item.parts
@@ -55,6 +55,7 @@ class Mailbox:
         self._steps = 0
         self._bytes = 0
         self._closed = False
+        self._urgent = False  # a step waits for the worker's answer: no gathering
         self._changed = threading.Condition()
 
     @classmethod
@@ -82,6 +83,7 @@ class Mailbox:
             self._items.append(item)
             self._steps += 1
             self._bytes += size
+            self._urgent |= isinstance(item, PendingStep) and item.reply is not None
             self._changed.notify_all()
 
     def _full(self, adding_bytes: int) -> bool:
@@ -99,6 +101,11 @@ class Mailbox:
             self._items.clear()
             self._steps = self._bytes = 0
             self._changed.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """The worker stopped taking from it."""
+        return self._closed
 
     def __len__(self) -> int:
         """Steps waiting for the worker."""
@@ -127,8 +134,13 @@ class Mailbox:
                     break
                 self._steps -= 1
                 self._bytes -= _nbytes(item)
+            self._urgent = any(isinstance(i, PendingStep) and i.reply for i in self._items)
             self._changed.notify_all()
             return taken
 
     def _ready(self, max_steps: int) -> bool:
-        return self._steps >= max_steps or any(isinstance(i, Control) for i in self._items)
+        return (
+            self._urgent
+            or self._steps >= max_steps
+            or any(isinstance(i, Control) for i in self._items)
+        )

@@ -1,9 +1,13 @@
-"""A step as the training thread hands it to the worker (`PendingStep`), and what the
-worker makes of it (`AssembledStep`)."""
+"""A step as the training thread hands it to the worker (`PendingStep`); the worker's answer
+to a step judged before its optimizer step (`Reply`); and the update that step then applied
+(`UpdateFollowUp`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -11,7 +15,6 @@ import torch
 from torch import Tensor
 
 from gradtrack.formats.event import AlertEvent
-from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.layout import HostPart
 
 
@@ -41,15 +44,42 @@ class PendingStep:
     latch: np.ndarray | None = None
     # The noise scale's: the step's examples counted (0: not) and its backward passes.
     batch: tuple[int, int] = (0, 1)
+    # A raise rule judges it before its optimizer step: the worker answers here.
+    reply: Reply | None = None
+    # Its update signals follow once the optimizer step ran (an `UpdateFollowUp`).
+    expects_update: bool = False
+
+
+class Reply:
+    """The worker's judgement of one step a raise rule waits for: the first event whose rule
+    raises (None: none does), or that it could not judge the step."""
+
+    def __init__(self) -> None:
+        self.event: AlertEvent | None = None
+        self.judged = False
+        self._done = threading.Event()
+
+    def answer(self, event: AlertEvent | None) -> None:
+        self.event, self.judged = event, True
+        self._done.set()
+
+    def fail(self) -> None:
+        self._done.set()
+
+    def wait(self, timeout_s: float, gone: Callable[[], bool]) -> bool:
+        """Wait for the answer, no longer than ``timeout_s`` and not once ``gone()`` says the
+        worker stopped; True if the step was judged."""
+        deadline = time.monotonic() + timeout_s
+        while not self._done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if gone() or time.monotonic() >= deadline:
+                break
+        return self.judged
 
 
 @dataclass
-class AssembledStep:
-    """A step's records and alerts: one record, led by the latched bad step before it when
-    an accelerator's guard latched one (see `gradtrack.capture.latch`)."""
+class UpdateFollowUp:
+    """The update a judged step's optimizer step applied (None: it did not run), for the
+    worker to add to that step's record before it is delivered."""
 
-    records: list[StepRecord]
-    events: list[AlertEvent]
-    # Judged before its optimizer step (a raise rule), then held for the update it applied:
-    # the worker adds that update's signals to the last record.
-    update: tuple[Tensor, torch.cuda.Event | None] | None = None
+    step: int
+    update: tuple[Tensor, torch.cuda.Event | None] | None = field(default=None)

@@ -7,7 +7,7 @@ training thread, before the optimizer applies the step. One of the two, never bo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,7 +30,7 @@ from gradtrack.handoff.layout import (
     latched_step,
     spike_fields,
 )
-from gradtrack.handoff.pending import AssembledStep, PendingStep
+from gradtrack.handoff.pending import PendingStep, UpdateFollowUp
 from gradtrack.log import report
 from gradtrack.worker.flight_log import FlightLog
 from gradtrack.worker.layer_sums import layer_update_norms, rank_layer_norms
@@ -39,6 +39,15 @@ from gradtrack.worker.noise_scale import StepNoise
 T = TypeVar("T")
 NORM = STAT_COLUMNS.index("norm")
 _NONE: dict[str, Any] = {}  # a part that failed adds no field
+
+
+@dataclass
+class AssembledStep:
+    """A step's records and alerts: one record, led by the latched bad step before it when
+    an accelerator's guard latched one (see `gradtrack.capture.latch`)."""
+
+    records: list[StepRecord]
+    events: list[AlertEvent]
 
 
 class Assembler:
@@ -214,10 +223,12 @@ class Assembler:
             **self._part("noise scale", noise, _NONE),
         )
 
-    def add_update(self, judged: AssembledStep) -> None:
+    def add_update(self, judged: AssembledStep, update: UpdateFollowUp) -> None:
         """A step judged before its optimizer step: its record gets the update it applied."""
         record = judged.records[-1]
-        pending = PendingStep(record.step, record.wall_time, [], update=judged.update)
+        if update.update is None or record.step != update.step:
+            return
+        pending = PendingStep(record.step, record.wall_time, [], update=update.update)
         fields = self._part(
             "update signals", lambda: self.update_fields(pending, record.layers), _NONE
         )

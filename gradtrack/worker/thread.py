@@ -21,12 +21,12 @@ from gradtrack.delivery.spool import Spool, SpoolError, default_root
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.drops import DropCount
 from gradtrack.handoff.mailbox import Control, Mailbox, QueuedStep
-from gradtrack.handoff.pending import AssembledStep, PendingStep
+from gradtrack.handoff.pending import UpdateFollowUp
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import report
 from gradtrack.sinks.base import GradientSink, TrackerSink
 from gradtrack.worker.actions import AlertActions
-from gradtrack.worker.assemble import Assembler
+from gradtrack.worker.assemble import AssembledStep, Assembler
 
 
 class Worker:
@@ -60,6 +60,7 @@ class Worker:
         self._max_batch_steps = config.delivery.max_batch_steps
         self._gather_s = config.delivery.batch_wait_s
         self.actions = AlertActions(assembler.alert_engine, on_alert)
+        self._awaiting: AssembledStep | None = None  # a judged step, until its update follows
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
 
@@ -122,6 +123,7 @@ class Worker:
                 if not isinstance(item, Control):
                     self._process(item, records, events)
                     continue
+                self._release_awaiting(records)
                 self._hand_over(records, events)
                 records, events = [], []
                 self._finish(item)
@@ -162,21 +164,45 @@ class Worker:
     def _process(
         self, item: QueuedStep, records: list[StepRecord], events: list[AlertEvent]
     ) -> None:
+        awaiting, self._awaiting = self._awaiting, None
+        if awaiting is not None:  # a judged step's records, held for its update
+            if isinstance(item, UpdateFollowUp):
+                self.assembler.add_update(awaiting, item)
+            records.extend(awaiting.records)
+        if isinstance(item, UpdateFollowUp):
+            return
         try:
-            step = self.assembler.assemble(item) if isinstance(item, PendingStep) else item
-            if isinstance(item, AssembledStep) and item.update is not None:
-                self.assembler.add_update(item)
+            step = self.assembler.assemble(item)
         except Exception as exc:  # a bug here must not stop the worker
+            if item.reply is not None:
+                item.reply.fail()
             self.record_errors += 1
             if self.record_errors == 1:
-                number = item.step if isinstance(item, PendingStep) else item.records[-1].step
-                report(f"gradtrack could not summarise step {number}: {exc!r}")
+                report(f"gradtrack could not summarise step {item.step}: {exc!r}")
             return
-        records.extend(step.records)
+        if item.reply is not None:
+            item.reply.answer(self._raising(step.events))
+        if item.expects_update:
+            self._awaiting = step
+        else:
+            records.extend(step.records)
         for event in step.events:
             if not event.silenced:  # within its rule's cooldown: it only raised
                 events.append(event)
                 self.actions.act(event)
+
+    def _release_awaiting(self, records: list[StepRecord]) -> None:
+        awaiting, self._awaiting = self._awaiting, None
+        if awaiting is not None:
+            records.extend(awaiting.records)
+
+    def _raising(self, events: list[AlertEvent]) -> AlertEvent | None:
+        """The first of a step's events whose rule's action is "raise"."""
+        engine = self.assembler.alert_engine
+        for event in events:
+            if engine.rule(event.rule, event.layer).action == "raise" and event.severity != "info":
+                return event
+        return None
 
     def _hand_over(self, records: list[StepRecord], events: list[AlertEvent]) -> None:
         if self.spool is not None and (records or events):

@@ -1,0 +1,162 @@
+"""Handing planned steps to the worker: through the mailbox, after the optimizer step where
+update signals are asked for, and — for a step a raise rule judges — waiting for the
+worker's answer, agreed by every rank, before its optimizer step runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gradtrack.capture.distributed import RankGroup
+from gradtrack.capture.update_sample import SampledUpdateProbe
+from gradtrack.capture.updates import UpdateProbe
+from gradtrack.capture.verdict import StepPlan
+from gradtrack.errors import GradientAlertError
+from gradtrack.formats.event import AlertEvent
+from gradtrack.handoff.mailbox import Mailbox
+from gradtrack.handoff.pending import PendingStep, Reply, UpdateFollowUp
+
+OnError = Callable[[int, Exception], None]
+
+
+class Handover:
+    """The training thread's side of the mailbox. ``wait_s``: how long a step a raise rule
+    judges waits for the worker's answer (a worker far behind, or stopped, is not waited for
+    past it: the step's own trip then raises)."""
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        updates: UpdateProbe | SampledUpdateProbe | None,
+        ranks: RankGroup | None,
+        wait_s: float,
+        on_error: OnError,
+    ) -> None:
+        self.mailbox = mailbox
+        self.updates = updates
+        self.ranks = ranks
+        self.wait_s = wait_s
+        self._on_error = on_error
+        # A logged step waiting for its optimizer step, to carry the update it applied; or
+        # the step (judged, so handed already) whose update follows it.
+        self._held: PendingStep | None = None
+        self._follows: int | None = None
+
+    def put(self, item: PendingStep | UpdateFollowUp) -> None:
+        self.mailbox.put_step(item)
+
+    def deliver(self, pending: PendingStep | None, plan: StepPlan) -> None:
+        """Hand the step on; for a step a raise rule judges, wait for the worker's verdict
+        and raise it here (every rank together)."""
+        error = plan.error
+        if not plan.judge_now:
+            if pending is not None:
+                self._hand_on(pending, plan)
+        else:
+            error = self._judged(pending, plan) or error
+            if self.ranks is not None:
+                error = self._agreed(error)
+        if error is not None:
+            raise error
+
+    def _judged(self, pending: PendingStep | None, plan: StepPlan) -> GradientAlertError | None:
+        trip = plan.verdict.trip
+        if pending is None:  # another rank's worker judges (or collecting failed)
+            return None if trip is None else _unjudged(plan, "no record of it could be made")
+        reply = pending.reply = Reply()
+        pending.expects_update = self._wants_update(plan)
+        self.put(pending)
+        judged = reply.wait(self.wait_s, lambda: self.mailbox.closed)
+        if pending.expects_update:
+            self._follow(plan.step, run=judged and reply.event is None)
+        if judged:
+            return None if reply.event is None else GradientAlertError(reply.event)
+        if trip is None:
+            return None
+        return _unjudged(plan, f"gradtrack's worker did not judge it within {self.wait_s:g} s")
+
+    def _agreed(self, error: GradientAlertError | None) -> GradientAlertError | None:
+        """Every rank stops together, with the first rank's event, or the others would wait
+        in their next collective."""
+        assert self.ranks is not None
+        event = None if error is None else error.event
+        shared = self.ranks.broadcast_from_first(
+            None if event is None else event.model_dump_json()  # type: ignore[attr-defined]
+        )
+        if shared is None:
+            return None
+        return GradientAlertError(AlertEvent.model_validate_json(shared))
+
+    # -- update signals: a logged step's update, measured around its optimizer step --------
+    def _wants_update(self, plan: StepPlan) -> bool:
+        return self.updates is not None and plan.logged and plan.skip is None
+
+    def _hand_on(self, pending: PendingStep, plan: StepPlan) -> None:
+        if self._wants_update(plan):
+            try:
+                assert self.updates is not None
+                self.updates.before()
+                self._held = pending
+                return
+            except Exception as exc:  # watching must never crash training
+                self._on_error(plan.step, exc)
+        self.put(pending)
+
+    def _follow(self, step: int, run: bool) -> None:
+        """A judged step's update follows it once its optimizer step ran (``run``)."""
+        if run:
+            try:
+                assert self.updates is not None
+                self.updates.before()
+                self._follows = step
+                return
+            except Exception as exc:  # watching must never crash training
+                self._on_error(step, exc)
+        self.put(UpdateFollowUp(step))
+
+    def after_optimizer_step(self) -> None:
+        """The update a held logged step applied: measured, attached, handed on."""
+        held, self._held = self._held, None
+        follows, self._follows = self._follows, None
+        if (held is None and follows is None) or self.updates is None:
+            return
+        step = held.step if held is not None else follows
+        update = None
+        try:
+            update = self.updates.after()
+        except Exception as exc:  # watching must never crash training
+            self._on_error(step or 0, exc)
+        if held is not None:
+            held.update = update
+            self.put(held)
+        elif follows is not None:
+            self.put(UpdateFollowUp(follows, update))
+
+    def release_held(self) -> None:
+        """A held step whose optimizer step did not come (skipped, or it raised)."""
+        held, self._held = self._held, None
+        follows, self._follows = self._follows, None
+        if held is not None:
+            self.put(held)
+        if follows is not None:
+            self.put(UpdateFollowUp(follows))
+
+
+def _unjudged(plan: StepPlan, why: str) -> GradientAlertError:
+    """The error of a per-step rule that tripped on the step's norms, where the worker could
+    not judge the step: the event names the rule and the layer, from the norms alone."""
+    assert plan.verdict.trip is not None
+    rule, layer = plan.verdict.trip
+    name = layer or "the total gradient"
+    return GradientAlertError(
+        AlertEvent(
+            step=plan.step, wall_time=time.time(), rule=rule, layer=layer,
+            statistic="norm" if layer else "total_norm", value=float("nan"), threshold=0.0,
+            severity="error", layers=(layer,) if layer else (),
+            message=(
+                f"{rule} at step {plan.step} in {name} (action='raise'); {why}, so this "
+                "event holds only what the step's norms say (the worker's own event, once it "
+                "judges the step, goes to the run's alerts)."
+            ),
+        )
+    )  # fmt: skip
