@@ -45,7 +45,8 @@ class GradientSink(Protocol):
         """Send on anything buffered: at `Watcher.flush` and before `close` (courier thread)."""
 
     def close(self) -> None:
-        """Flush and release resources; called once, last (courier thread)."""
+        """Flush and release resources; called once, last (courier thread; if `gradtrack.watch`
+        itself fails after making the sink, on the thread that called it)."""
 
 
 class SinkBase(ABC):
