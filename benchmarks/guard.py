@@ -59,6 +59,7 @@ def measure(name: str, reps: int) -> dict[str, float]:
     model, loss_fn = MODELS[name]()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     watcher = gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer)
+    assert isinstance(watcher, gradtrack.Watcher)  # not switched off: its parts are read
     collector = watcher.collector
     backward_s = []
     for _ in range(5):  # the median of 5: the first backward of a process is slower

@@ -50,7 +50,7 @@ def cpu_seconds(root_pid: int) -> float:
 def step_time_ratio(model_name: str, uri: str, rounds: int, steps: int) -> tuple[float, float]:
     torch.manual_seed(0)
     template, _ = MODELS[model_name]()
-    runs: dict[str, tuple[LossFn, torch.optim.Optimizer, gradtrack.Watcher, list[float]]] = {}
+    runs: dict[str, tuple[LossFn, torch.optim.Optimizer, gradtrack.WatcherLike, list[float]]] = {}
     for name in ("memory", "mlflow"):
         torch.manual_seed(0)
         model, loss_of = MODELS[model_name]()

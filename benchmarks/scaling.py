@@ -33,7 +33,8 @@ def _ratio(
     """(base ms, floor / base, summaries / base): median step times, round-robin."""
     torch.manual_seed(0)
     template, inputs = make()
-    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, gradtrack.Watcher | None, list[float]]]
+    Run = tuple[nn.Module, torch.optim.Optimizer, gradtrack.WatcherLike | None, list[float]]
+    runs: dict[str, Run]
     runs = {}
     for name in ("base", "floor", "summaries"):
         model = copy.deepcopy(template)
@@ -128,6 +129,7 @@ def memory(steps: int = 20_000, queue_size: int = 64) -> None:
         model, backend=sink, optimizer=optimizer, log_every=1, histograms={"every": 10},
         delivery={"queue_size": queue_size, "max_batch_steps": 1, "batch_wait_s": 0.0},
     )  # fmt: skip
+    assert isinstance(watcher, gradtrack.Watcher)  # not switched off: its mailbox is read
     print("logged steps | RSS MiB | queued | dropped | delivered")
     most_queued = 0
     for step in range(1, steps + 1):

@@ -15,6 +15,7 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.api import unwatch, watch
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import AlertRules
+from gradtrack.disabled import WatcherLike
 from gradtrack.errors import (
     GradientAlertError,
     GradientWarning,
@@ -43,6 +44,7 @@ __all__ = [
     "LayerStats",
     "StepRecord",
     "Watcher",
+    "WatcherLike",
     "register_sink",
     "unwatch",
     "watch",

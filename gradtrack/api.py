@@ -12,7 +12,7 @@ from gradtrack.capture.distributed import writes_to_sinks
 from gradtrack.capture.layers import unwrap_model
 from gradtrack.capture.probes import StepSource
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
-from gradtrack.disabled import DisabledWatcher
+from gradtrack.disabled import NullWatcher, WatcherLike
 from gradtrack.errors import GradtrackError
 from gradtrack.log import logger, show_in_terminal
 from gradtrack.sinks.build import Backend, build_sinks
@@ -29,7 +29,7 @@ def watch(
     on_alert: Callable[[AlertEvent], None] | None = None,
     steps: StepSource = "auto",
     **overrides: Any,
-) -> Watcher:
+) -> WatcherLike:
     """Watch ``model``'s gradients and stream per-layer summaries to ``backend``.
 
     ``backend`` is a registered name (``"console"``, ``"memory"``, ``"tensorboard"`` …), a
@@ -42,6 +42,9 @@ def watch(
     called with every `AlertEvent`, from gradtrack's worker thread. ``steps="manual"`` leaves
     ending each step to you (`Watcher.end_step`, once gradients are complete); a callable makes
     only the backward passes for which it returns True end a step.
+
+    Returns a `Watcher`; switched off (``enabled=False``, ``GRADTRACK_DISABLED=1``), a
+    `gradtrack.disabled.NullWatcher` that does nothing. Both are a `WatcherLike`.
 
     >>> model = torch.nn.Linear(3, 1)
     >>> watcher = watch(model, backend="memory", log_every=50)
@@ -66,14 +69,14 @@ def open_watcher(
     backend: Callable[[], Backend | Sequence[Backend]],
     config: GradtrackConfig,
     **options: Any,
-) -> Watcher:
+) -> WatcherLike:
     """Sinks from ``backend()`` where this process writes (see `writes_to_sinks`), then the
     `Watcher`; if that fails, the sinks it would have used are closed. Switched off
-    (``enabled=False``), a `DisabledWatcher`: no sink is made, nothing touches the model."""
+    (``enabled=False``), a `NullWatcher`: no sink is made, nothing touches the model."""
     show_in_terminal()
     if not config.enabled:
         logger.info("off (enabled=False or GRADTRACK_DISABLED=1): nothing is watched")
-        return DisabledWatcher(model, config)
+        return NullWatcher(model, config)
     sinks = build_sinks(backend(), config) if writes_to_sinks(config) else []
     try:
         watcher = Watcher(model, sinks, config, **options)

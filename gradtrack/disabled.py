@@ -1,4 +1,5 @@
-"""The watcher `gradtrack.watch` returns when gradtrack is switched off.
+"""What a script may use of a watcher (`WatcherLike`), and the watcher `gradtrack.watch`
+returns when gradtrack is switched off (`NullWatcher`).
 
 ``GRADTRACK_DISABLED=1`` (or ``enabled=False``) lets a script keep its ``watch`` line in
 production: the model gets no hook, no sink is made, no thread starts, nothing is written.
@@ -6,24 +7,66 @@ production: the model gets no hook, no sink is made, no thread starts, nothing i
 
 from __future__ import annotations
 
-import weakref
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
 from gradtrack.config import GradtrackConfig
-from gradtrack.lifecycle import Outcome
+from gradtrack.lifecycle import Outcome, outcome_of
 from gradtrack.sinks.base import GradientSink
-from gradtrack.watcher import Watcher
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
-class DisabledWatcher(Watcher):
-    """A `Watcher` that watches nothing: every method works and does nothing.
+class WatcherLike(Protocol):
+    """The public surface of what `gradtrack.watch` returns: a `gradtrack.Watcher`, or a
+    `NullWatcher` when gradtrack is switched off. Both implement every member (mypy checks
+    both; tests/test_off_switch.py that this is every public member of `Watcher`)."""
 
-    It skips `Watcher.__init__` on purpose (that is where hooks, sinks and the worker thread
-    are made) and answers the public state as an idle watcher would.
+    config: GradtrackConfig
+    closed: bool
+    step: int
+    guard_reads_host: bool | None
+
+    @property
+    def layer_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def sinks(self) -> list[GradientSink]: ...
+
+    @property
+    def dropped_steps(self) -> int: ...
+
+    @property
+    def host_transfers(self) -> int: ...
+
+    @property
+    def sink_errors(self) -> dict[str, int]: ...
+
+    def end_step(self) -> None: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+
+    def close(self, outcome: Outcome = "FINISHED") -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+
+
+class NullWatcher:
+    """A watcher that watches nothing: every member of `WatcherLike` works and does nothing.
+    It keeps no reference to the model and touches nothing of it.
 
     >>> import torch
-    >>> watcher = DisabledWatcher(torch.nn.Linear(2, 1), GradtrackConfig(enabled=False))
+    >>> watcher = NullWatcher(torch.nn.Linear(2, 1), GradtrackConfig(enabled=False))
     >>> watcher.layer_names, watcher.sinks, watcher.flush()
     ((), [], True)
     >>> watcher.close(); watcher
@@ -31,18 +74,10 @@ class DisabledWatcher(Watcher):
     """
 
     def __init__(self, model: nn.Module, config: GradtrackConfig) -> None:
-        self.model_ref = weakref.ref(model)
         self.config = config
-        self._step = 0
         self.closed = False
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self._step = value
+        self.step = 0  # counts `end_step` calls, as a real watcher's steps would
+        self.guard_reads_host: bool | None = None
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -65,7 +100,8 @@ class DisabledWatcher(Watcher):
         return {}
 
     def end_step(self) -> None:
-        self.step += 1
+        if not self.closed:
+            self.step += 1
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return True
@@ -73,5 +109,22 @@ class DisabledWatcher(Watcher):
     def close(self, outcome: Outcome = "FINISHED") -> None:
         self.closed = True
 
+    def __enter__(self) -> NullWatcher:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close(outcome_of(exc_type))
+
     def __repr__(self) -> str:
         return f"<gradtrack.Watcher off (enabled=False){', closed' if self.closed else ''}>"
+
+
+DisabledWatcher = NullWatcher  # the name it had before
+
+if TYPE_CHECKING:  # mypy holds the null watcher to the protocol
+    _null: type[WatcherLike] = NullWatcher

@@ -197,3 +197,36 @@ def test_skip_raise_and_alerts_share_one_check_per_rule_family() -> None:
         "gradtrack.alerts.nonfinite",
         "gradtrack.capture.step_rules",
     ]
+
+
+def _calls(tree: ast.AST, name: str) -> list[ast.Call]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+    ]
+
+
+def test_no_sink_is_probed_for_what_it_has() -> None:
+    """The sink contract is declared (`SinkBase`'s no-op defaults, `as_sink_base` for a plain
+    `GradientSink`), never probed: no ``hasattr``/``getattr`` on anything named a sink."""
+    probed = [
+        f"{name}:{call.lineno}: {ast.unparse(call)}"
+        for name, path in sorted(MODULES.items())
+        for probe in ("hasattr", "getattr")
+        for call in _calls(ast.parse(path.read_text()), probe)
+        if call.args and "sink" in ast.unparse(call.args[0]).lower()
+    ]
+    assert probed == []
+
+
+def test_the_worker_never_asks_which_kind_of_courier_it_has() -> None:
+    """Both couriers answer `SinkCourier`'s members; the worker treats them alike."""
+    asked = [
+        f"{name}:{call.lineno}: {ast.unparse(call)}"
+        for name, path in sorted(MODULES.items())
+        if name.startswith("gradtrack.worker")
+        for call in _calls(ast.parse(path.read_text()), "isinstance")
+        if "courier" in ast.unparse(call).lower()
+    ]
+    assert asked == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,52 +25,76 @@ from gradtrack.delivery.spool import Item, Spool
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.drops import DropCount
 from gradtrack.log import warn
-from gradtrack.sinks.base import GradientSink, TrackerSink
+from gradtrack.sinks.base import GradientSink, TrackerSink, as_sink_base
 
 _Call = tuple[str, tuple[Any, ...], "threading.Event | None"]
 
 
-class _Thread:
-    """A sink's thread: posted calls run in order; a failing call is reported once."""
+class SinkCourier(ABC):
+    """What the worker knows of a sink's delivery thread, whichever kind it is: hand it a
+    batch's records and alerts, ask it to flush or close, and read how much of the spool it
+    has still to deliver. The worker calls these on its own thread; they never wait on the
+    sink. A courier without a spool (`Courier`) has nothing left in it and is never
+    starting. Every call to the sink itself comes from the courier's thread, and a failing
+    call is reported once."""
 
     def __init__(self, sink: GradientSink, on_error: Callable[[str], None]) -> None:
-        self.sink = sink
+        self.sink = sink  # as it was given (what `Watcher.sinks` shows)
         self.errors = 0
+        self._name = type(sink).__name__
         self._on_error = on_error
         self._calls: deque[_Call] = deque()
         self._changed = threading.Condition()
         self._thread = threading.Thread(
-            target=self._run, name=f"gradtrack-{type(sink).__name__}", daemon=True
+            target=self._run, name=f"gradtrack-{self._name}", daemon=True
         )
 
-    def post(self, method: str, *args: Any) -> threading.Event:
-        """Queue ``sink.method(*args)``; the event is set once it has returned."""
-        done = threading.Event()
-        with self._changed:
-            self._calls.append((method, args, done))
-            self._changed.notify_all()
-        return done
+    @property
+    @abstractmethod
+    def left(self) -> int:
+        """Items of the run's spool this courier has not delivered yet (0 without a spool:
+        steps waiting in memory are not counted here)."""
 
-    def _call(self, method: str, *args: Any) -> bool:
+    @property
+    @abstractmethod
+    def starting(self) -> bool:
+        """The first delivery (an SDK's import, a run's creation) is under way."""
+
+    @abstractmethod
+    def hand_over(self, records: Sequence[StepRecord], events: Sequence[AlertEvent]) -> None:
+        """A batch's records, then its alerts (once in the spool, if this courier reads one)."""
+
+    @abstractmethod
+    def request_flush(self, patience_s: float) -> threading.Event:
+        """Have the sink flush after everything handed over; the event is set once it did
+        (or delivery gave up waiting, after ``patience_s`` without progress)."""
+
+    @abstractmethod
+    def request_close(self, outcome: str, patience_s: float) -> threading.Event:
+        """Then set the sink's ``outcome`` and close it (a tracker sink: `TrackerSink.end`),
+        on the courier thread; the thread ends there."""
+
+    def _call(self, method: str, call: Callable[..., object], *args: Any) -> bool:
         try:
-            getattr(self.sink, method)(*args)
+            call(*args)
             return True
         except Exception as exc:  # one broken sink must not stop the others
             self.errors += 1
             if self.errors == 1:
                 self._on_error(
-                    f"gradtrack sink {type(self.sink).__name__}.{method} failed: {exc!r}; "
+                    f"gradtrack sink {self._name}.{method} failed: {exc!r}; "
                     "training and the other sinks go on, further errors are only counted"
                 )
             return False
 
+    @abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """The courier thread."""
 
 
-class Courier(_Thread):
+class Courier(SinkCourier):
     """Calls one sink from its own thread, in the order the calls were posted; steps wait in
-    memory (at most ``capacity``)."""
+    memory (at most ``capacity``). A plain `GradientSink` gets `SinkBase`'s defaults."""
 
     def __init__(
         self,
@@ -79,10 +104,48 @@ class Courier(_Thread):
         on_error: Callable[[str], None],
     ) -> None:
         super().__init__(sink, on_error)
+        target = self._sink_base = as_sink_base(sink)
+        self._methods: dict[str, Callable[..., object]] = {
+            "write": target.write, "alert": target.alert, "flush": target.flush,
+            "close": self._close,
+        }  # fmt: skip
         self._capacity = capacity
         self._drops = drops
         self._steps = 0  # records waiting in write calls
         self._thread.start()
+
+    @property
+    def left(self) -> int:
+        return 0  # no spool: what waits is in memory, bounded by ``capacity``
+
+    @property
+    def starting(self) -> bool:
+        return False
+
+    def hand_over(self, records: Sequence[StepRecord], events: Sequence[AlertEvent]) -> None:
+        if records:
+            self.write(records)
+        for event in events:
+            self.alert(event)
+
+    def request_flush(self, patience_s: float) -> threading.Event:
+        return self.post("flush")
+
+    def request_close(self, outcome: str, patience_s: float) -> threading.Event:
+        return self.post("close", outcome)
+
+    def _close(self, outcome: str) -> None:
+        self._sink_base.outcome = outcome
+        self._sink_base.close()
+
+    def post(self, method: str, *args: Any) -> threading.Event:
+        """Queue the sink's ``method`` (write, alert, flush, or close with the run's outcome);
+        the event is set once it has returned."""
+        done = threading.Event()
+        with self._changed:
+            self._calls.append((method, args, done))
+            self._changed.notify_all()
+        return done
 
     def write(self, batch: Sequence[StepRecord]) -> None:
         with self._changed:
@@ -105,7 +168,7 @@ class Courier(_Thread):
                 del self._calls[index]
             self._drops.add(
                 1,
-                f"{type(self.sink).__name__} is {self._capacity} steps behind "
+                f"{self._name} is {self._capacity} steps behind "
                 "(its tracker is slow or unreachable)",
             )
 
@@ -117,7 +180,7 @@ class Courier(_Thread):
                 method, args, done = self._calls.popleft()
                 if method == "write":
                     self._steps -= len(args[0])
-            self._call(method, *args)
+            self._call(method, self._methods[method], *args)
             if done is not None:
                 done.set()
             if method == "close":
@@ -151,7 +214,7 @@ class _Lane:
             self.spool.confirm(self.cursor, through)
 
 
-class SpooledCourier(_Thread):
+class SpooledCourier(SinkCourier):
     """Delivers a `TrackerSink`'s items from the spool, in order, each once; the only place
     delivery retries. A batch that fails is sent again after a backoff (0.5 s doubling to
     the sink's ``retry_max_s``), the outage warned about once; the spool holds everything
@@ -183,7 +246,7 @@ class SpooledCourier(_Thread):
         self._progress_at = -float("inf")  # the last send that went
         self.broken: str | None = None  # why delivery stopped for good (an unreadable spool)
         self._opened = False
-        self.starting = True  # the first send (an SDK's import, a run's creation) is under way
+        self._starting = True  # the first send (an SDK's import, a run's creation) is under way
         self._waiting_for: _Call | None = None  # the flush or close delivery is waited for
         self._waiting_since = 0.0
         self._target = self._safe_target()
@@ -196,8 +259,22 @@ class SpooledCourier(_Thread):
             self._available = max(self._available, last_seq)
             self._changed.notify_all()
 
+    @property
+    def starting(self) -> bool:
+        return self._starting
+
+    def hand_over(self, records: Sequence[StepRecord], events: Sequence[AlertEvent]) -> None:
+        self.announce(self.spool.last_seq)  # the worker appended them to the spool
+
+    def request_flush(self, patience_s: float) -> threading.Event:
+        return self.post_after("flush", patience_s)
+
+    def request_close(self, outcome: str, patience_s: float) -> threading.Event:
+        return self.post_after("close", patience_s, outcome)
+
     def post_after(self, method: str, *args: Any) -> threading.Event:
-        """`post`, to run once every item announced so far was delivered."""
+        """Queue ``"flush"`` or ``"close"`` (args: ``patience_s`` and, for close, the run's
+        outcome), to run once every item announced so far was delivered."""
         done = threading.Event()
         with self._changed:
             self._calls.append((method, (self._available, *args), done))
@@ -214,7 +291,7 @@ class SpooledCourier(_Thread):
             self._serve()
         except Exception as exc:  # an unreadable spool: told, and no one is left waiting
             self.broken = str(exc)
-            self._on_error(f"gradtrack stopped delivering to {type(self.sink).__name__}: {exc}")
+            self._on_error(f"gradtrack stopped delivering to {self._name}: {exc}")
             with self._changed:
                 calls, self._calls = list(self._calls), deque()
             for _, _, done in calls:
@@ -296,10 +373,10 @@ class SpooledCourier(_Thread):
             else:
                 self._tracker.send(payloads)
         except Exception as exc:
-            self.starting = False
+            self._starting = False
             self._failed(exc)
             return False
-        self.starting = False
+        self._starting = False
         self._recovered()
         self._progress_at = time.monotonic()
         full = len(items) >= lane.batch
@@ -318,7 +395,7 @@ class SpooledCourier(_Thread):
             self.stalled = not self._tracker.waiting_helps(error)
             message = self._tracker.failure_message(error)
         except Exception as exc:
-            message = f"{type(self.sink).__name__} failed: {error!r} (and {exc!r})"
+            message = f"{self._name} failed: {error!r} (and {exc!r})"
         if not self._outage:
             self._outage = True
             warn(redact(message))
@@ -343,11 +420,16 @@ class SpooledCourier(_Thread):
         self._waiting_for = None
         method, _, done = call
         if method == "close":
-            self._call("end", complete)
+            self._call("end", self._end, complete, *call[1][2:])
         else:
-            self._call(method)
+            self._call(method, self._tracker.flush)
         if done is not None:
             done.set()
+
+    def _end(self, complete: bool, outcome: str | None = None) -> None:
+        if outcome is not None:
+            self._tracker.outcome = outcome
+        self._tracker.end(complete)
 
     def _describe(self) -> None:
         target = self._safe_target()
@@ -363,8 +445,22 @@ class SpooledCourier(_Thread):
 
     @property
     def left(self) -> int:
-        """Items of the spool this courier has not delivered yet."""
         return max(0, self.spool.last_seq - min(lane.position for lane in self._lanes))
+
+
+def courier_for(
+    sink: GradientSink,
+    spool: Spool | None,
+    sink_id: str,
+    capacity: int,
+    drops: DropCount,
+    on_error: Callable[[str], None],
+) -> SinkCourier:
+    """A `TrackerSink`'s courier reads the run's spool (as ``sink_id``); any other sink's
+    keeps at most ``capacity`` steps in memory."""
+    if spool is not None and isinstance(sink, TrackerSink):
+        return SpooledCourier(sink, spool, sink_id, on_error)
+    return Courier(sink, capacity, drops, on_error)
 
 
 def yield_cpu_to_training() -> None:

@@ -77,8 +77,8 @@ def sync(path: Path, timeout_s: float = 300.0, say: Callable[[str], None] = prin
             courier = SpooledCourier(sink, spool, sink_id, errors.append, start=False)
             before = courier.left
             courier.announce(spool.last_seq)
-            courier.post_after("flush", timeout_s)
-            closed = courier.post_after("close", timeout_s)
+            courier.request_flush(timeout_s)
+            closed = courier.request_close(outcome, timeout_s)
             threading.Thread(target=courier.run_here, daemon=True).start()
             _wait(courier, closed, timeout_s, f"delivering {sink_id}")
             if courier.broken is not None:

@@ -11,8 +11,8 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.api import open_watcher
 from gradtrack.capture.probes import StepSource
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
+from gradtrack.disabled import WatcherLike
 from gradtrack.sinks.base import GradientSink
-from gradtrack.watcher import Watcher
 
 Backend = str | GradientSink | Sequence[str | GradientSink]
 
@@ -32,7 +32,7 @@ class CallbackOptions:
         self.backend = backend
         self.config: GradtrackConfig = load_config(config, overrides)
         self.on_alert = on_alert
-        self.watcher: Watcher | None = None
+        self.watcher: WatcherLike | None = None
         self._overrides = overrides
 
     def _open(

@@ -2,7 +2,9 @@
 
 from gradtrack.sinks.base import (
     GradientSink,
+    SinkBase,
     TrackerSink,
+    as_sink_base,
     create_sink,
     register_sink,
     registered_sinks,
@@ -24,9 +26,11 @@ __all__ = [
     "GradientSink",
     "MemorySink",
     "MlflowSink",
+    "SinkBase",
     "TensorboardSink",
     "TrackerSink",
     "WandbSink",
+    "as_sink_base",
     "create_sink",
     "register_sink",
     "registered_sinks",

@@ -1,13 +1,19 @@
-"""The `GradientSink` protocol every backend implements, the `TrackerSink` base class of
-sinks delivered from the spool, and the name → factory registry.
+"""The `GradientSink` protocol every backend implements, `SinkBase` (its optional parts
+declared with no-op defaults), `TrackerSink` for sinks delivered from the spool, and the
+name → factory registry.
 
-No sink is ever called from the training thread: each has a courier thread of its own
-(`gradtrack.delivery.courier`) that makes every call to it, in order.
+Which thread calls what: a sink is made on the thread that calls `gradtrack.watch` (or a
+registered factory, there); every delivery call — `write`, `alert`, `flush`, `close`, and a
+tracker sink's `open`, `send`, `send_histograms`, `end` — comes from the sink's own courier
+thread (``gradtrack-<SinkClass>``, `gradtrack.delivery.courier`), one call at a time, in
+order; `report_command` and `end_shared_run` come from the thread that closes the watcher.
+Neither the training thread nor the worker thread ever calls a sink.
 """
 
 from __future__ import annotations
 
 import difflib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,22 +25,118 @@ from gradtrack.formats.record import StepRecord
 
 @runtime_checkable
 class GradientSink(Protocol):
-    """Receives logged steps in batches and alert events; flushes and closes at the end."""
+    """Receives logged steps in batches and alert events; flushes and closes at the end.
+
+    Any object with these four methods is a sink (``backend=`` takes it, and so does a
+    factory given to `register_sink`). Every call comes from the sink's courier thread
+    (``gradtrack-<SinkClass>``), never two at once, in the order gradtrack made them: the
+    training and worker threads never wait on a sink. To have the optional parts (the
+    run's ``outcome``, `SinkBase.report_command`, `SinkBase.end_shared_run`) called,
+    subclass `SinkBase`; a plain object gets their no-op defaults.
+    """
 
     def write(self, batch: Sequence[StepRecord]) -> None:
-        """Take one or more steps, oldest first."""
+        """Take one or more steps, oldest first (courier thread)."""
 
     def alert(self, event: AlertEvent) -> None:
-        """Take one alert event (after the batch holding its step was written)."""
+        """Take one alert event, after the batch holding its step (courier thread)."""
 
     def flush(self) -> None:
-        """Send on anything buffered."""
+        """Send on anything buffered: at `Watcher.flush` and before `close` (courier thread)."""
 
     def close(self) -> None:
-        """Flush and release resources; called once."""
+        """Flush and release resources; called once, last (courier thread; if `gradtrack.watch`
+        itself fails after making the sink, on the thread that called it)."""
 
 
-class TrackerSink:
+class SinkBase(ABC):
+    """The base of every built-in sink: `GradientSink`'s methods, and its optional parts
+    declared here with no-op defaults, so that gradtrack calls them without probing.
+
+    - ``outcome`` — how training ended (``"FINISHED"``, ``"FAILED"``, ``"KILLED"``): set by
+      the sink's courier thread just before `close` (a `TrackerSink`: before `end`).
+    - `report_command` and `end_shared_run` — called by the thread that closes the watcher
+      (`Watcher.close`, the ``with`` block's exit, `gradtrack.unwatch`, or the interpreter's
+      exit hook), once the close has waited for delivery; if that wait gave up (a tracker
+      away for ``flush_timeout_s``), the courier may still be closing the sink meanwhile.
+
+    A plain `GradientSink` that does not derive from this is wrapped in one that does
+    (`as_sink_base`), where gradtrack calls it.
+    """
+
+    outcome: str = "FINISHED"
+
+    @abstractmethod
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        """Take one or more steps, oldest first (courier thread)."""
+
+    @abstractmethod
+    def alert(self, event: AlertEvent) -> None:
+        """Take one alert event, after the batch holding its step (courier thread)."""
+
+    def flush(self) -> None:
+        """Send on anything buffered (courier thread). Default: nothing buffered."""
+        return None  # a declared no-op
+
+    def close(self) -> None:
+        """Flush and release resources; called once, last (courier thread). Default: none."""
+        return None  # a declared no-op
+
+    def report_command(self) -> str | None:
+        """The command that draws this run's report, logged once the watcher closed (the
+        closing thread). Default: None, no report to draw."""
+        return None
+
+    def end_shared_run(self) -> None:
+        """After close, on the thread that closes the watcher — the one that made the sink
+        (MLflow's active run is per thread): end a run shared with the user's own tracker
+        calls. Default: nothing to end."""
+        return None  # a declared no-op
+
+
+class _PlainSink(SinkBase):
+    """A user's `GradientSink` that is not a `SinkBase`: its four methods, the defaults for
+    the rest."""
+
+    def __init__(self, sink: GradientSink) -> None:
+        self.sink = sink
+
+    def write(self, batch: Sequence[StepRecord]) -> None:
+        self.sink.write(batch)
+
+    def alert(self, event: AlertEvent) -> None:
+        self.sink.alert(event)
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+    def close(self) -> None:
+        self.sink.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self.sink).__name__} with SinkBase's defaults>"
+
+
+def as_sink_base(sink: GradientSink) -> SinkBase:
+    """``sink`` itself if it is a `SinkBase`, else ``sink`` with `SinkBase`'s defaults for
+    the optional parts.
+
+    >>> from gradtrack.sinks.memory import MemorySink
+    >>> sink = MemorySink()
+    >>> as_sink_base(sink) is sink
+    True
+    >>> class Plain:
+    ...     def write(self, batch): pass
+    ...     def alert(self, event): pass
+    ...     def flush(self): pass
+    ...     def close(self): pass
+    >>> as_sink_base(Plain()).report_command() is None
+    True
+    """
+    return sink if isinstance(sink, SinkBase) else _PlainSink(sink)
+
+
+class TrackerSink(SinkBase):
     """A sink that reaches a tracker which may be away (a server, a database): it is
     delivered from the run's spool by a `gradtrack.delivery.courier.SpooledCourier`, the one place
     that retries, and keeps no backlog of its own.
@@ -43,6 +145,13 @@ class TrackerSink:
     file they name — or raises (then the same batch object is sent again, after a backoff,
     until it goes or the run gives up: the sink may skip what it already sent of it).
     Optional parts have defaults here; nothing is probed with ``hasattr``.
+
+    Threads: made, and `spool_target` first asked, on the thread that calls
+    `gradtrack.watch`; `open`, `send`, `send_histograms`, `waiting_helps`,
+    `failure_message`, `spool_target` (after each send), `flush` and `end` on its courier
+    thread (under ``gradtrack sync``, a thread sync starts for it); `report_command` and
+    `end_shared_run` as `SinkBase` says. The courier calls `flush` and `end`, never
+    `write`, `alert` or `close`: those are for a tracker sink used on its own.
     """
 
     # Items per `send`, at most; while delivery is caught up, items gather for at most
@@ -54,11 +163,8 @@ class TrackerSink:
     # own cursor in the spool: a file not yet written never holds back the metrics.
     histogram_steps: int = 0
     histogram_wait_s: float = 60.0
-    # Longest wait between two tries while the tracker fails.
+    # Longest wait between two tries while the tracker fails (the courier's backoff).
     retry_max_s: float = 30.0
-    # How training ended, set before the courier ends delivery: a run the sink started is
-    # marked so (MLflow: FINISHED, FAILED, KILLED).
-    outcome: str = "FINISHED"
 
     def open(self) -> None:
         """Reach the tracker (its SDK imported, the run created) before the first `send`, so
@@ -89,13 +195,6 @@ class TrackerSink:
 
     def end(self, complete: bool) -> None:
         """Delivery is over: ``complete`` if the tracker has every item. Release resources."""
-
-    def report_command(self) -> str | None:
-        """The command that draws this run's report, once closed."""
-        return None
-
-    def end_shared_run(self) -> None:
-        """After close, in the thread that made the sink (MLflow's active run is per thread)."""
 
     # -- GradientSink, for a tracker sink used on its own (no courier, no retries) ---------
     def write(self, batch: Sequence[StepRecord]) -> None:

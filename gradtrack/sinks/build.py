@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Union
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.log import report
-from gradtrack.sinks.base import GradientSink, create_sink
+from gradtrack.sinks.base import GradientSink, as_sink_base, create_sink
 from gradtrack.sinks.tensorboard import TensorboardSink, is_summary_writer
 
 if TYPE_CHECKING:
@@ -41,18 +41,18 @@ def build_sinks(
 
 
 def finish_in_caller_thread(sinks: Sequence[GradientSink]) -> list[str]:
-    """After the sinks closed, in the caller's thread (MLflow's active run is per thread): a
-    run the MLflow sink shared with the user's own ``mlflow.*`` calls is ended there too.
+    """After the sinks closed, in the thread that closes the watcher (MLflow's active run is
+    per thread): each sink's `SinkBase.end_shared_run` — a run the MLflow sink shared with the
+    user's own ``mlflow.*`` calls is ended there too — and its `SinkBase.report_command`.
     Returns the commands that draw each run's report."""
     commands = []
-    for sink in sinks:
+    for given in sinks:
+        sink = as_sink_base(given)
         try:
-            end_shared_run = getattr(sink, "end_shared_run", None)
-            if end_shared_run is not None:
-                end_shared_run()
-            command = getattr(sink, "report_command", lambda: None)()
+            sink.end_shared_run()
+            command = sink.report_command()
             if command:
                 commands.append(command)
         except Exception as exc:  # watching must never crash training
-            report(f"gradtrack could not finish with {type(sink).__name__}: {exc!r}")
+            report(f"gradtrack could not finish with {type(given).__name__}: {exc!r}")
     return commands

@@ -12,6 +12,7 @@ from typing import TextIO
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.formats.record import StepRecord
+from gradtrack.sinks.base import SinkBase
 
 
 def format_table(record: StepRecord) -> str:
@@ -44,7 +45,7 @@ def format_table(record: StepRecord) -> str:
     return "\n".join(lines)
 
 
-class ConsoleSink:
+class ConsoleSink(SinkBase):
     """Prints the latest step at most every ``interval_s`` seconds."""
 
     def __init__(self, interval_s: float = 5.0, stream: TextIO | None = None) -> None:

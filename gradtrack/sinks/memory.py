@@ -12,10 +12,11 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.formats.record import StepRecord
+from gradtrack.sinks.base import SinkBase
 from gradtrack.sinks.flight_files import window_series
 
 
-class MemorySink:
+class MemorySink(SinkBase):
     """Stores every `StepRecord` it is given.
 
     >>> import torch, gradtrack

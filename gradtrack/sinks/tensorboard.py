@@ -36,6 +36,7 @@ from gradtrack.formats.tensorboard import (
     layers_text,
     raw_histogram,
 )
+from gradtrack.sinks.base import SinkBase
 from gradtrack.sinks.runbook import RunBook
 
 
@@ -46,7 +47,7 @@ def is_summary_writer(backend: object) -> bool:
     return any(isinstance(backend, cls) for cls in types)
 
 
-class TensorboardSink:
+class TensorboardSink(SinkBase):
     """Writes every step it is handed to a TensorBoard log dir. Called from its courier
     thread only.
 

@@ -27,6 +27,7 @@ from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.formats.record import StepRecord
 from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY, PICTURES_FAMILY, PROFILE_FAMILY
 from gradtrack.formats.wandb_steps import step_line
+from gradtrack.sinks.base import SinkBase
 from gradtrack.sinks.flight_files import stage_window
 from gradtrack.sinks.runbook import RunBook
 from gradtrack.sinks.wandb_file import StepFiles
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
 
-class WandbSink:
+class WandbSink(SinkBase):
     """Logs every step to W&B: step files, chart rows, histograms, a gradient-flow profile
     and alerts.
 

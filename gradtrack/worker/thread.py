@@ -15,7 +15,7 @@ from typing import Literal
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
-from gradtrack.delivery.courier import Courier, SpooledCourier, yield_cpu_to_training
+from gradtrack.delivery.courier import SinkCourier, courier_for, yield_cpu_to_training
 from gradtrack.delivery.progress import wait_while_progressing
 from gradtrack.delivery.spool import Spool, SpoolError, default_root
 from gradtrack.formats.record import StepRecord
@@ -30,7 +30,8 @@ from gradtrack.worker.assemble import AssembledStep, Assembler
 
 
 class Worker:
-    """Owns the sinks; every sink call happens on this thread."""
+    """Moves steps from the mailbox to the spool and the sinks' couriers, on its own thread.
+    It never calls a sink: each sink's courier thread does (`gradtrack.delivery.courier`)."""
 
     def __init__(
         self,
@@ -43,15 +44,11 @@ class Worker:
     ) -> None:
         self.drops = drops = drops or DropCount(report)
         self.spool = open_spool(sinks, config)
-        self.couriers: list[Courier | SpooledCourier] = []
-        for i, sink in enumerate(sinks):
-            if self.spool is not None and isinstance(sink, TrackerSink):
-                courier: Courier | SpooledCourier = SpooledCourier(
-                    sink, self.spool, sink_id(i, sink), report
-                )
-            else:
-                courier = Courier(sink, config.delivery.sink_buffer_steps, drops, report)
-            self.couriers.append(courier)
+        capacity = config.delivery.sink_buffer_steps
+        self.couriers: list[SinkCourier] = [
+            courier_for(sink, self.spool, sink_id(i, sink), capacity, drops, report)
+            for i, sink in enumerate(sinks)
+        ]
         self._patience_s = config.flush_timeout_s
         self._sync_told = False  # the sync command was named already
         self.record_errors = 0
@@ -101,11 +98,10 @@ class Worker:
 
     def left(self) -> int:
         """Steps and alerts not yet delivered: waiting for the worker, or in the spool."""
-        spooled = [c.left for c in self.couriers if isinstance(c, SpooledCourier)]
-        return len(self._mailbox) + max(spooled, default=0)
+        return len(self._mailbox) + max((c.left for c in self.couriers), default=0)
 
     def _starting(self) -> bool:
-        return any(c.starting and c.left for c in self.couriers if isinstance(c, SpooledCourier))
+        return any(c.starting and c.left for c in self.couriers)
 
     def _run(self) -> None:
         try:
@@ -135,22 +131,13 @@ class Worker:
         """Have every sink flush (or flush and close) after what it was handed, and mark
         ``control`` done once all have — waiting for that on a thread of its own, so that
         a sink stuck on its tracker never holds up the worker."""
-        if control.kind == "stop":
-            for sink in self.sinks:
-                if isinstance(sink, TrackerSink):
-                    sink.outcome = control.outcome
-            if self.spool is not None:
-                self.spool.note_outcome(control.outcome)
+        if control.kind == "stop" and self.spool is not None:
+            self.spool.note_outcome(control.outcome)
         finished = []
         for courier in self.couriers:
-            if isinstance(courier, SpooledCourier):
-                finished.append(courier.post_after("flush", self._patience_s))
-                if control.kind == "stop":
-                    finished.append(courier.post_after("close", self._patience_s))
-            else:
-                finished.append(courier.post("flush"))
-                if control.kind == "stop":
-                    finished.append(courier.post("close"))
+            finished.append(courier.request_flush(self._patience_s))
+            if control.kind == "stop":  # the sink's outcome is set on its courier's thread
+                finished.append(courier.request_close(control.outcome, self._patience_s))
 
         def wait() -> None:
             for event in finished:
@@ -208,14 +195,7 @@ class Worker:
         if self.spool is not None and (records or events):
             self._append(self.spool, records, events)
         for courier in self.couriers:
-            if isinstance(courier, SpooledCourier):
-                if self.spool is not None:
-                    courier.announce(self.spool.last_seq)
-                continue
-            if records:
-                courier.write(records)
-            for event in events:
-                courier.alert(event)
+            courier.hand_over(records, events)
 
     def _append(self, spool: Spool, records: list[StepRecord], events: list[AlertEvent]) -> None:
         items: list[StepRecord | AlertEvent] = [*records, *events]
