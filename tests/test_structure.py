@@ -230,3 +230,16 @@ def test_the_worker_never_asks_which_kind_of_courier_it_has() -> None:
         if "courier" in ast.unparse(call).lower()
     ]
     assert asked == []
+
+
+def test_files_are_replaced_in_one_place() -> None:
+    """Every whole-file rewrite goes through `gradtrack.formats.atomic.write_atomic` (temp file,
+    fsync, ``os.replace``): one place to get durability right."""
+    replacing = sorted(
+        name
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("replace", "rename")
+        and isinstance(node.value, ast.Name) and node.value.id == "os"
+    )  # fmt: skip
+    assert replacing == ["gradtrack.formats.atomic"]

@@ -23,6 +23,7 @@ from torch import nn
 from gradtrack.capture.step_rules import StepRules, Trip
 from gradtrack.config.rules import AlertRules
 from gradtrack.errors import GradientAlertError
+from gradtrack.formats.atomic import write_atomic
 from gradtrack.formats.event import AlertEvent
 
 Skip = Trip  # why one step is left out: the rule, and the layer it names (None: the total)
@@ -90,10 +91,7 @@ class Journal:
                 "wall_time": time.time(),
             }
         )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text(json.dumps(self._entries, indent=1))
-        os.replace(partial, self.path)
+        write_atomic(self.path, json.dumps(self._entries, indent=1))
 
 
 def read_journal(path: str | os.PathLike) -> list[dict[str, Any]]:

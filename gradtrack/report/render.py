@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gradtrack.formats.atomic import write_atomic
 from gradtrack.report import plots
 from gradtrack.report.compare import LayerDifference
 from gradtrack.report.data import RunData
@@ -44,9 +45,8 @@ def render_report(
         sections="\n".join(sections),
         alerts=_alerts_table(runs),
     )
-    path = out_dir / "report.html"
-    path.write_text(page)
-    return path
+    # A report opened in a browser and rewritten by the next `gradtrack report` is never torn.
+    return write_atomic(out_dir / "report.html", page, fsync=False)
 
 
 def _default_hist_layers(runs: list[RunData]) -> list[str]:
@@ -109,7 +109,7 @@ def _section(name: str, title: str, figure: Figure, out_dir: Path) -> str:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     figure.clear()  # a report of many runs draws many figures: free each one now
-    (out_dir / f"{name}.png").write_bytes(buffer.getvalue())
+    write_atomic(out_dir / f"{name}.png", buffer.getvalue(), fsync=False)
     encoded = base64.b64encode(buffer.getvalue()).decode()
     return (
         f'<section><h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" '

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gradtrack.formats.atomic import write_atomic
 from gradtrack.formats.flight import FlightWindow, window_name, window_text
 from gradtrack.formats.keys import LAYER_KEY_PREFIX, metric_key
 from gradtrack.log import report
@@ -19,7 +20,7 @@ def stage_window(window: FlightWindow, folder: Path, title: str = "") -> list[Pa
     """The window's JSON file and, where matplotlib is installed, its PNG, in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / window_name(window)
-    path.write_text(window_text(window), encoding="utf-8")
+    write_atomic(path, window_text(window), fsync=False)
     paths = [path]
     from gradtrack.report.live import can_draw
 

@@ -27,6 +27,7 @@ from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.redact import redact
 from gradtrack.extras import require_module
+from gradtrack.formats.atomic import write_atomic
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
 from gradtrack.formats.histogram_store import write_chunk
 from gradtrack.formats.keys import metric_key
@@ -247,7 +248,8 @@ class MlflowSink(TrackerSink):
         model = self._model
         if self._book.add_layers(record.layers):
             path = self._staging / Path(LAYERS_FILE).name
-            path.write_text(json.dumps(self._book.layers))
+            # Rewritten in place whenever layers appear: an upload never reads half of it.
+            write_atomic(path, json.dumps(self._book.layers), fsync=False)
             folder = Path(artifact_path(LAYERS_FILE, model)).parent.as_posix()
             uploads.append(Upload(path, folder))
         extremes = self._book.extremes(record)
