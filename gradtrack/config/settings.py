@@ -24,11 +24,13 @@ from pydantic import (
     ConfigDict,
     Field,
     PositiveInt,
+    SecretStr,
     ValidationError,
     field_serializer,
     field_validator,
     model_validator,
 )
+from pydantic_core import to_jsonable_python
 
 from gradtrack.config.redact import redact
 from gradtrack.config.rules import AlertRules
@@ -84,8 +86,11 @@ class MlflowOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tracking_uri: str | None = Field(
-        None, description="Default: MLFLOW_TRACKING_URI, else MLflow's (sqlite:///mlflow.db)."
+    tracking_uri: SecretStr | None = Field(
+        None,
+        description="Default: MLFLOW_TRACKING_URI, else MLflow's (sqlite:///mlflow.db). A "
+        "secret, as it may hold a login (https://user:password@host): shown as ********** "
+        "in the config's repr and in the config a W&B run keeps; get_secret_value() reads it.",
     )
     experiment: str = Field("gradtrack", description="Experiment of a run gradtrack starts.")
     run_name: str | None = Field(None, description="Name of a run gradtrack starts.")
@@ -848,29 +853,27 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-_SECRET_NAME_PARTS = ("password", "passwd", "token", "secret", "key", "auth")
-
-
 def redacted_config(config: GradtrackConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The config as JSON-ready data with no credential in it, for trackers and logs.
 
-    A field whose name says it holds a secret is dropped (not masked: even its length would
-    leak), and every string goes through :func:`gradtrack.config.redact.redact` (URI userinfo and
-    secret query parameters become ``***``: ``https://***@host``).
+    Secrets are told by their type, not their name: a ``SecretStr`` (``mlflow.tracking_uri``)
+    is written as pydantic writes it, ``**********`` (ten stars whatever its length), and
+    every other string goes through :func:`gradtrack.config.redact.redact`, in case it holds a
+    URI with a login (``https://***@host``, ``?token=***``). ``layer_keys`` is kept as it is.
+
+    >>> data = redacted_config(GradtrackConfig(mlflow={"tracking_uri": "http://a:pw@host"}))
+    >>> data["mlflow"]["tracking_uri"], data["layer_keys"]
+    ('**********', 'path')
     """
-    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
-    redacted = _redact(data)
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    redacted = _redact(to_jsonable_python(data))
     assert isinstance(redacted, dict)
     return redacted
 
 
 def _redact(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return {
-            key: _redact(item)
-            for key, item in value.items()
-            if not any(part in str(key).lower() for part in _SECRET_NAME_PARTS)
-        }
+        return {key: _redact(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_redact(item) for item in value]
     if isinstance(value, str):

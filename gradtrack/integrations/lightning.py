@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from pydantic import SecretStr
 
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
@@ -85,7 +86,7 @@ def _sinks_of(trainer: Trainer, config: GradtrackConfig) -> list[str | GradientS
             from gradtrack.sinks.mlflow import MlflowSink
 
             uri = logger.experiment.tracking_uri  # an MlflowClient
-            options = config.mlflow.model_copy(update={"tracking_uri": uri})
+            options = config.mlflow.model_copy(update={"tracking_uri": SecretStr(uri)})
             sinks.append(MlflowSink(config.model_copy(update={"mlflow": options}), logger.run_id))
         elif isinstance(logger, TensorBoardLogger):
             from gradtrack.sinks.tensorboard import TensorboardSink

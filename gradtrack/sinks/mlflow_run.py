@@ -26,7 +26,8 @@ class MlflowRun:
 
     def __init__(self, options: MlflowOptions, run_id: str | None = None) -> None:
         self.options = options
-        self.tracking_uri = options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        given = options.tracking_uri.get_secret_value() if options.tracking_uri else None
+        self.tracking_uri = given or os.environ.get("MLFLOW_TRACKING_URI")
         self.run_id = run_id
         self.owns_run = False
         # The run is also MLflow's active run in the thread that made this sink (the user's).
