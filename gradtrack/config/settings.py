@@ -856,17 +856,19 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 def redacted_config(config: GradtrackConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The config as JSON-ready data with no credential in it, for trackers and logs.
 
-    Secrets are told by their type, not their name: a ``SecretStr`` (``mlflow.tracking_uri``)
-    is written as pydantic writes it, ``**********`` (ten stars whatever its length), and
-    every other string goes through :func:`gradtrack.config.redact.redact`, in case it holds a
-    URI with a login (``https://***@host``, ``?token=***``). ``layer_keys`` is kept as it is.
+    Secrets are told by their type, not their name: a ``SecretStr`` that is a URI
+    (``mlflow.tracking_uri``) keeps its scheme, host and path with its login and query secrets
+    masked (``http://***@host``: the run still says which server), any other ``SecretStr`` is
+    ``**********`` (ten stars whatever its length); every other string goes through
+    :func:`gradtrack.config.redact.redact` too, in case it holds a URI with a login.
+    ``layer_keys`` is kept as it is.
 
     >>> data = redacted_config(GradtrackConfig(mlflow={"tracking_uri": "http://a:pw@host"}))
     >>> data["mlflow"]["tracking_uri"], data["layer_keys"]
-    ('**********', 'path')
+    ('http://***@host', 'path')
     """
-    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
-    redacted = _redact(to_jsonable_python(data))
+    data = config.model_dump(mode="python") if isinstance(config, BaseModel) else config
+    redacted = to_jsonable_python(_redact(data))
     assert isinstance(redacted, dict)
     return redacted
 
@@ -876,6 +878,9 @@ def _redact(value: Any) -> Any:
         return {key: _redact(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_redact(item) for item in value]
+    if isinstance(value, SecretStr):
+        secret = value.get_secret_value()
+        return redact(secret) if "://" in secret else str(value)
     if isinstance(value, str):
         return redact(value)
     return value

@@ -29,7 +29,8 @@ def test_the_tracking_uri_is_a_secret_wherever_the_config_is_shown() -> None:
         assert isinstance(config.mlflow.tracking_uri, SecretStr)
         assert config.mlflow.tracking_uri.get_secret_value() == uri
         assert PASSWORD not in repr(config) + str(config) + config.model_dump_json()
-        assert redacted_config(config)["mlflow"]["tracking_uri"] == MASK
+        # A secret URI keeps its server, its login masked; any other secret is stars.
+        assert redacted_config(config)["mlflow"]["tracking_uri"] == "https://***@mlflow.example/"
 
 
 def test_redacted_config_masks_secrets_by_type_and_logins_in_strings() -> None:
@@ -44,7 +45,7 @@ def test_redacted_config_masks_secrets_by_type_and_logins_in_strings() -> None:
         "query": f"https://host/api?user=bob&access_token={PASSWORD}",
     }  # fmt: skip
     assert redacted_config(nested) == {
-        "store": {"uri": "postgresql://***@db:5432/x", "api_key": MASK},
+        "store": {"uri": "postgresql://***@db:5432/x", "api_key": MASK},  # (not a URI)
         "Auth_Token": MASK, "layer_keys": "path", "primary_key": "step",
         "paths": ["file:///tmp/a@b", "s3://***@bucket/x"],
         "query": "https://host/api?user=bob&access_token=***",
@@ -69,7 +70,8 @@ def test_the_run_config_has_layer_keys_and_no_password_in_any_file_of_the_run(
     (run,) = of_type(read_records(run_dir), "run")
     written = run["config"]["update"]["gradtrack"]
     assert written["layer_keys"] == "depth"  # it was dropped for its name before SecretStr
-    assert written["mlflow"]["tracking_uri"] == MASK  # the secret was written masked
+    # The secret URI was written with its login masked (the run still names its server).
+    assert written["mlflow"]["tracking_uri"] == "http://***@mlflow.example:5000"
     assert written["mlflow"]["experiment"] == "gradtrack"
     files = [path for path in offline_wandb.rglob("*") if path.is_file()]
     assert any(path.suffix == ".wandb" for path in files)
