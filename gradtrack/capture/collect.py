@@ -28,6 +28,7 @@ from gradtrack.capture.stats import (
     sample_bounds,
     sample_elements,
     stat_rows,
+    stored_values,
 )
 from gradtrack.formats.histogram import split_in_proportion
 from gradtrack.handoff.evidence import EvidenceLayout, StepEvidence
@@ -169,9 +170,8 @@ class Collector:
         """The dense, real, non-empty tensor whose statistics are the gradient's."""
         if self.local_shards:
             grad = local_tensor(grad)
-        if grad.is_sparse:
-            # The dense gradient's statistics: implicit zeros add nothing to the sums.
-            grad = grad.coalesce()._values()
+        # A sparse gradient's statistics are its stored values': implicit zeros add nothing.
+        grad = stored_values(grad)
         if grad.is_complex():  # summarised as |z|: the norm of the complex tensor
             grad = grad.abs()
         if grad.numel() == 0:

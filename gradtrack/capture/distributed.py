@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gradtrack.capture.stats import accumulation_dtype
+from gradtrack.capture.stats import accumulation_dtype, stored_values
 from gradtrack.config import GradtrackConfig
 
 Layout = Literal["replicated", "sharded"]
@@ -107,9 +107,7 @@ class LocalNormProbe:
     def _ready(self, index: int, param: Tensor) -> None:
         if not self._is_due() or param.grad is None:
             return
-        grad = param.grad
-        if grad.is_sparse:
-            grad = grad.coalesce()._values()
+        grad = stored_values(param.grad)
         with torch.no_grad():
             norm = torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype))
         self._norms[index] = norm

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gradtrack.capture.stats import accumulation_dtype
+from gradtrack.capture.stats import accumulation_dtype, stored_values
 
 
 class BatchCounter:
@@ -90,8 +90,7 @@ class MicroBatchNorms:
         self._per_tensor.clear()
 
     def _add(self, index: int, grad: Tensor) -> None:
-        if grad.is_sparse:
-            grad = grad.coalesce()._values()
+        grad = stored_values(grad)
         with torch.no_grad():
             self._norms.append(torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype)))
         self._tensors.append(index)

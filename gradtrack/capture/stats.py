@@ -20,6 +20,17 @@ from gradtrack.handoff.layout import L2, NAN
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def stored_values(grad: Tensor) -> Tensor:
+    """The elements a gradient stores: a sparse one's values (coalesced, so that each index
+    counts once), a dense one as it is.
+
+    >>> sparse = torch.sparse_coo_tensor([[0, 0, 2]], [1.0, 2.0, 4.0], (3,), check_invariants=True)
+    >>> stored_values(sparse).tolist()
+    [3.0, 4.0]
+    """
+    return grad.coalesce().values() if grad.is_sparse else grad
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a reduction over ``dtype`` accumulates in: fp32 for fp16/bf16 (whose own
     range overflows on a long sum of squares), else the tensor's own (None).
