@@ -215,16 +215,18 @@ def test_server_down_at_start_then_killed_and_restarted_loses_nothing(tmp_path: 
             model.zero_grad()
 
     try:
+        # While the server is away a flush cannot finish: it waits until delivery has made
+        # no progress for timeout_s (the courier warns at its first failed try).
         with pytest.warns(RuntimeWarning, match="cannot reach MLflow"):
             steps(10)  # unreachable at start
-            watcher.flush()
+            assert not watcher.flush(timeout_s=4)
         server.start()
         steps(10)
         watcher.flush()
         server.stop()  # dropped mid-run
         with pytest.warns(RuntimeWarning, match="cannot reach MLflow"):
             steps(10)
-            watcher.flush()
+            assert not watcher.flush(timeout_s=4)
         server.start()  # back, on the same store
         steps(10)
         watcher.close()
@@ -256,7 +258,7 @@ def test_the_spool_is_the_only_backlog_an_outage_drops_nothing(tmp_path: Path) -
         with pytest.warns(RuntimeWarning, match="cannot reach MLflow"):
             for _ in range(10):
                 model(torch.randn(2, 4)).sum().backward()
-                watcher.flush(timeout_s=1)
+            assert not watcher.flush(timeout_s=2)  # the server is away: no progress
         server.start()
         model(torch.randn(2, 4)).sum().backward()
         watcher.close()
