@@ -16,6 +16,8 @@ import pytest
 
 from gradtrack.formats.mlflow import read_histograms
 
+pytestmark = pytest.mark.solo  # timing promises: run alone (scripts/test.sh)
+
 mlflow = pytest.importorskip("mlflow")
 
 REPO = Path(__file__).resolve().parents[2]

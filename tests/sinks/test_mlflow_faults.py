@@ -20,6 +20,8 @@ from torch import nn
 import gradtrack
 from tests.sinks.mlflow_server import MlflowServer, lock_sqlite
 
+pytestmark = pytest.mark.solo  # timing promises: run alone (scripts/test.sh)
+
 mlflow = pytest.importorskip("mlflow")
 
 STEPS = 1200

@@ -125,6 +125,7 @@ CADENCES = [1, 10, 100, NEVER]
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "implicit"])
 @pytest.mark.parametrize("every", CADENCES, ids=lambda e: f"user-every-{e}" if e else "never")
 @pytest.mark.slow
+@pytest.mark.solo  # the charts' staleness is measured against the loop's pace
 def test_at_10ms_per_step_every_step_is_in_the_run_and_charts_stay_current(
     offline: Path, every: int, explicit: bool, log_every: int
 ) -> None:
