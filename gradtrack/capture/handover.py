@@ -91,28 +91,29 @@ class Handover:
     def _wants_update(self, plan: StepPlan) -> bool:
         return self.updates is not None and plan.logged and plan.skip is None
 
+    def _measuring(self, step: int) -> bool:
+        """Start measuring the update the coming optimizer step applies; False if that failed
+        (reported)."""
+        try:
+            assert self.updates is not None
+            self.updates.before()
+            return True
+        except Exception as exc:  # watching must never crash training
+            self._on_error(step, exc)
+            return False
+
     def _hand_on(self, pending: PendingStep, plan: StepPlan) -> None:
-        if self._wants_update(plan):
-            try:
-                assert self.updates is not None
-                self.updates.before()
-                self._held = pending
-                return
-            except Exception as exc:  # watching must never crash training
-                self._on_error(plan.step, exc)
-        self.put(pending)
+        if self._wants_update(plan) and self._measuring(plan.step):
+            self._held = pending
+        else:
+            self.put(pending)
 
     def _follow(self, step: int, run: bool) -> None:
         """A judged step's update follows it once its optimizer step ran (``run``)."""
-        if run:
-            try:
-                assert self.updates is not None
-                self.updates.before()
-                self._follows = step
-                return
-            except Exception as exc:  # watching must never crash training
-                self._on_error(step, exc)
-        self.put(UpdateFollowUp(step))
+        if run and self._measuring(step):
+            self._follows = step
+        else:
+            self.put(UpdateFollowUp(step))
 
     def after_optimizer_step(self) -> None:
         """The update a held logged step applied: measured, attached, handed on."""

@@ -102,7 +102,8 @@ class StepJudge:
         self.schedule = schedule
         self.raises = raises
         self.judge_due = judge_due
-        self.judge_now = bool(raises) or signals.skips is not None
+        # The verdict is read at every step: a per-step raise or skip rule acts on it now.
+        self.reads_every_verdict = bool(raises) or signals.skips is not None
         self.every_step = every_step
         # None: the verdict is read at each step on the CPU, and latched on the device for
         # the next logged step elsewhere; False: latched everywhere (how tests take the
@@ -214,7 +215,7 @@ class StepJudge:
         if not self.every_step:
             return UNKNOWN
         cpu = all(part.device.type == "cpu" for part in guard.devices)
-        if not self.judge_now and (self.reads_host is False or not cpu):
+        if not self.reads_every_verdict and (self.reads_host is False or not cpu):
             return None
         if norms is None:  # (the layer norms failed: only the total can be judged)
             finite = bool(guard.finite(wait=True))

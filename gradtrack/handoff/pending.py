@@ -17,6 +17,9 @@ from torch import Tensor
 from gradtrack.formats.event import AlertEvent
 from gradtrack.handoff.layout import HostPart
 
+# `UpdateProbe.after`'s per-tensor rows on the host, and their copy's event.
+UpdateRows = tuple[Tensor, torch.cuda.Event | None]
+
 
 @dataclass
 class PendingStep:
@@ -32,7 +35,7 @@ class PendingStep:
     # A non-finite step: `StepRecord` fields from `gradtrack.capture.origin` (where it was made).
     origin: dict[str, Any] | None = None
     # With ``update_signals``: `UpdateProbe.after`'s rows on the host, and their copy's event.
-    update: tuple[Tensor, torch.cuda.Event | None] | None = None
+    update: UpdateRows | None = None
     # The rule whose action "skip" left this step's optimizer step out; skips so far.
     skipped_by: str | None = None
     skipped_steps: int = 0
@@ -82,4 +85,4 @@ class UpdateFollowUp:
     worker to add to that step's record before it is delivered."""
 
     step: int
-    update: tuple[Tensor, torch.cuda.Event | None] | None = field(default=None)
+    update: UpdateRows | None = field(default=None)

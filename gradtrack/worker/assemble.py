@@ -30,7 +30,7 @@ from gradtrack.handoff.layout import (
     latched_step,
     spike_fields,
 )
-from gradtrack.handoff.pending import PendingStep, UpdateFollowUp
+from gradtrack.handoff.pending import PendingStep, UpdateFollowUp, UpdateRows
 from gradtrack.log import report
 from gradtrack.worker.flight_log import FlightLog
 from gradtrack.worker.layer_sums import layer_update_norms, rank_layer_norms
@@ -212,7 +212,7 @@ class Assembler:
             skipped_steps=pending.skipped_steps,
             **(pending.origin or {}),
             **(spike_fields(spike) if len(spike) else {}),
-            **self._part("update signals", lambda: self.update_fields(pending, layers), _NONE),
+            **self.update_fields(pending.update, layers),
             **self._part("step evidence", lambda: _evidence_fields(evidence), _NONE),
             **self._part(
                 "activation gradients",
@@ -223,30 +223,30 @@ class Assembler:
             **self._part("noise scale", noise, _NONE),
         )
 
-    def add_update(self, judged: AssembledStep, update: UpdateFollowUp) -> None:
+    def add_update(self, judged: AssembledStep, follow_up: UpdateFollowUp) -> None:
         """A step judged before its optimizer step: its record gets the update it applied."""
         record = judged.records[-1]
-        if update.update is None or record.step != update.step:
-            return
-        pending = PendingStep(record.step, record.wall_time, [], update=update.update)
-        fields = self._part(
-            "update signals", lambda: self.update_fields(pending, record.layers), _NONE
-        )
-        judged.records[-1] = replace(record, **fields)
+        if record.step == follow_up.step:
+            judged.records[-1] = replace(
+                record, **self.update_fields(follow_up.update, record.layers)
+            )
 
-    def update_fields(self, pending: PendingStep, layers: tuple[str, ...]) -> dict[str, Any]:
-        """``param_norms`` and ``update_norms`` for ``layers``, from the step's update rows."""
-        if pending.update is None:
+    def update_fields(self, update: UpdateRows | None, layers: tuple[str, ...]) -> dict[str, Any]:
+        """``param_norms`` and ``update_norms`` for ``layers``, from the step's update rows
+        (none without them; a failure is reported once and costs only these fields)."""
+        if update is None:
             return {}
-        buffer, ready = pending.update
-        if ready is not None:
-            ready.synchronize()
-        index = self._index
-        params, updates = layer_update_norms(
-            buffer.numpy(), index.tensor_layer, len(index.layer_names)
-        )
-        rows = [self._layer_position[name] for name in layers]
-        return {"param_norms": params[rows], "update_norms": updates[rows]}
+
+        def norms() -> dict[str, Any]:
+            buffer, ready = update
+            if ready is not None:
+                ready.synchronize()
+            n_layers = len(self._index.layer_names)
+            params, updates = layer_update_norms(buffer.numpy(), self._index.tensor_layer, n_layers)
+            rows = [self._layer_position[name] for name in layers]
+            return {"param_norms": params[rows], "update_norms": updates[rows]}
+
+        return self._part("update signals", norms, _NONE)
 
     def _part(self, name: str, build: Callable[[], T], fallback: T) -> T:
         """One optional part of a step; a failure is reported once and costs only it."""

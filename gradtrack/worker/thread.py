@@ -151,13 +151,12 @@ class Worker:
     def _process(
         self, item: QueuedStep, records: list[StepRecord], events: list[AlertEvent]
     ) -> None:
-        awaiting, self._awaiting = self._awaiting, None
-        if awaiting is not None:  # a judged step's records, held for its update
-            if isinstance(item, UpdateFollowUp):
-                self.assembler.add_update(awaiting, item)
-            records.extend(awaiting.records)
-        if isinstance(item, UpdateFollowUp):
+        if isinstance(item, UpdateFollowUp):  # for the judged step held for it, if any
+            if self._awaiting is not None:
+                self.assembler.add_update(self._awaiting, item)
+            self._release_awaiting(records)
             return
+        self._release_awaiting(records)  # (its update did not come)
         try:
             step = self.assembler.assemble(item)
         except Exception as exc:  # a bug here must not stop the worker
@@ -179,6 +178,7 @@ class Worker:
                 self.actions.act(event)
 
     def _release_awaiting(self, records: list[StepRecord]) -> None:
+        """A judged step's records, held for its update, go on."""
         awaiting, self._awaiting = self._awaiting, None
         if awaiting is not None:
             records.extend(awaiting.records)
