@@ -37,6 +37,7 @@ from gradtrack.capture.step_rules import StepRules
 from gradtrack.capture.step_signals import build_signals
 from gradtrack.capture.stepper import Stepper
 from gradtrack.capture.verdict import StepJudge
+from gradtrack.capture.wrappers import scaler_of, unwrap_optimizer
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradtrackError
@@ -59,7 +60,8 @@ class Watcher:
 
     ``step`` counts ``scaler.update()`` calls when a GradScaler is given, else optimizer steps
     when an optimizer is given, else backward passes; a step ``s`` is summarised when
-    ``s % log_every == 0`` and sampled when ``s % histograms.every == 0``.
+    ``(s + log_offset) % log_every == 0`` and sampled when ``(s + log_offset) %
+    histograms.every == 0``.
     """
 
     def __init__(
@@ -74,6 +76,8 @@ class Watcher:
     ) -> None:
         inner = unwrap_model(model)
         _refuse_watched(inner)
+        scaler = scaler or scaler_of(optimizer)  # (Accelerate's fp16 wrapper carries one)
+        optimizer = unwrap_optimizer(optimizer)
         self.model_ref = weakref.ref(inner)
         self.config = config
         self.layers = discover_layers(inner, config)
@@ -100,7 +104,8 @@ class Watcher:
         self.closed = False
         self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
         self._steps = steps
-        self._build_step_path(sinks, on_alert, own_steps=optimizer is not None and scaler is None)
+        self._skip_next = False  # a skip verdict for the coming optimizer step (steps not "auto")
+        self._build_step_path(sinks, on_alert, optimizer is not None, scaler is not None)
         try:
             self.probes.attach_step_source(
                 model, params, optimizer, scaler, steps, self.judge.signals.skips is not None, self
@@ -121,16 +126,21 @@ class Watcher:
         lifecycle.opened(self)
 
     def _build_step_path(
-        self, sinks: Sequence[GradientSink], on_alert: AlertCallback | None, own_steps: bool
+        self,
+        sinks: Sequence[GradientSink],
+        on_alert: AlertCallback | None,
+        optimized: bool,
+        scaled: bool,
     ) -> None:
-        """The parts a step passes through, from its verdict to the sinks."""
+        """The parts a step passes through, from its verdict to the sinks. ``optimized``: an
+        optimizer steps once per step; ``scaled``: a GradScaler's update ends each step."""
         config = self.config
         # The guard's verdict is read at every step unless each rank sees only its shards
         # (FSDP2): unlogged steps would need a collective, so the logged steps judge.
         replicated = self.ranks is not None and self.ranks.layout == "replicated"
         every_step = self.ranks is None or replicated
-        own_steps = own_steps and self._steps == "auto"
-        signals = build_signals(config, self.collector, own_steps, every_step)
+        own_steps = optimized and not scaled
+        signals = build_signals(config, self.collector, own_steps, every_step, scaled)
         raising = config.alerts.with_action("raise")
         # A raise rule the step's norms cannot judge has the worker judge every due step.
         judge_due = bool(set(raising) - set(SKIPPABLE)) or (bool(raising) and not every_step)
@@ -238,7 +248,13 @@ class Watcher:
             self._step_boundary()
 
     def _step_boundary(self) -> None:
-        self._end_step()
+        skip = self._end_step()
+        if self._steps != "auto":  # the optimizer step that follows asks for it
+            self._skip_next = skip
+
+    def _take_skip(self) -> bool:
+        skip, self._skip_next = self._skip_next, False
+        return skip
 
     def _end_step(self) -> bool:
         """True: a skip rule tripped, and the optimizer step is to be left out."""
@@ -285,7 +301,7 @@ class Watcher:
     def _after_sinks_closed(self) -> None:
         commands = finish_in_caller_thread(self.sinks)
         report_line = f"; its report: {' ; '.join(commands)}" if commands else ""
-        logger.info("closed after %d steps%s", self.step, report_line)
+        logger.info("closed after %d steps%s", self.stepper.ended, report_line)
 
     def __enter__(self) -> Watcher:
         return self

@@ -37,6 +37,7 @@ class StepHooks(Protocol):
     """What the hooks that end a step call (a `Watcher`)."""
 
     def _step_boundary(self) -> None: ...
+    def _take_skip(self) -> bool: ...
     def _grad_ready(self, param: torch.Tensor) -> None: ...
     def _before_optimizer_step(self, *args: Any) -> None: ...
     def _after_optimizer_step(self, *args: Any) -> None: ...
@@ -76,17 +77,20 @@ class Probes:
         on: StepHooks,
     ) -> None:
         """The hooks that end each step: the scaler's update, the optimizer's step (gated
-        where a rule may skip it), or the end of each backward."""
+        where a rule may skip it), or the end of each backward (``steps`` a predicate: of
+        those it picks). Where the owner or a predicate ends steps, an ``optimizer`` is
+        stepped once per step: a skip rule's gate reads the verdict of the step just ended."""
         manual = steps == "manual"
+        at_optimizer = optimizer is not None and steps == "auto"
         if scaler is not None:
             self.scaler_tap = ScalerTap(scaler, None if manual else on._step_boundary)
         elif optimizer is not None and skipping:
-            self.gate = OptimizerGate(optimizer, on._end_step)
+            self.gate = OptimizerGate(optimizer, on._end_step if at_optimizer else on._take_skip)
             self.forwards = ForwardCounter(model)
             self.handles.append(self.forwards.handle)
-        elif optimizer is not None and steps == "auto":
+        elif optimizer is not None and at_optimizer:
             self.handles.append(optimizer.register_step_pre_hook(on._before_optimizer_step))
-        elif not manual:
+        if scaler is None and not at_optimizer and not manual:
             for param in params:
                 if param.requires_grad:
                     self.handles.append(param.register_post_accumulate_grad_hook(on._grad_ready))

@@ -94,10 +94,14 @@ class StepSchedule:
     >>> schedule = StepSchedule(GradtrackConfig(log_every=5, histograms={"every": 10}))
     >>> [schedule.due(step) for step in (0, 5, 7)]
     [(True, True), (True, False), (False, False)]
+    >>> schedule = StepSchedule(GradtrackConfig(log_every=5, log_offset=1))  # Lightning's
+    >>> [step for step in range(12) if schedule.due(step)[0]]
+    [4, 9]
     """
 
     def __init__(self, config: GradtrackConfig) -> None:
         self.log_every = config.log_every
+        self.offset = config.log_offset
         self.hist_every = config.histograms.every
         self.per_layer = layer_schedule(config)
         # The first non-finite step of each window, logged or not (the guard's find); and
@@ -107,6 +111,7 @@ class StepSchedule:
 
     def due(self, step: int) -> tuple[bool, bool]:
         """(summarised, sampled) for ``step``."""
+        step += self.offset
         sampled = self.hist_every is not None and step % self.hist_every == 0
         return step % self.log_every == 0, sampled
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from gradtrack.capture.step_rules import StepRules, Trip
 from gradtrack.config.rules import AlertRules
-from gradtrack.errors import GradientAlertError
+from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.formats.atomic import write_atomic
 from gradtrack.formats.event import AlertEvent
 
@@ -133,19 +133,35 @@ class ForwardCounter:
 class OptimizerGate:
     """Wraps ``optimizer.step`` so that ``should_skip()``, asked first, can leave it out.
 
-    The wrapper is a bound method (LR schedulers wrap ``step.__func__``); `remove` restores
-    the optimizer's own, or, where something wrapped the gate since, makes it pass through.
+    A step given a closure (Lightning's, which runs the forward and backward) has its
+    closure run once first, so that the verdict is on the gradients it makes; the optimizer
+    then gets that loss back. The wrapper is a bound method (LR schedulers wrap
+    ``step.__func__``); `remove` restores the optimizer's own, or, where something wrapped
+    the gate since, makes it pass through.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, should_skip: Callable[[], bool]):
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise GradtrackError(
+                "action='skip' cannot gate LBFGS: it evaluates its closure several times per "
+                "step; use action='warn' or 'raise' with this optimizer"
+            )
         self.optimizer = optimizer
         self._active = True
         self._had_own = "step" in vars(optimizer)
         original = optimizer.step
 
         def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if self._active and should_skip():
-                return None
+            if not self._active:
+                return original(*args, **kwargs)
+            closure = args[0] if args else kwargs.pop("closure", None)
+            loss = None
+            if callable(closure):
+                with torch.enable_grad():
+                    loss = closure()
+                args, kwargs = args[1:], {**kwargs, "closure": lambda: loss}
+            if should_skip():
+                return loss
             return original(*args, **kwargs)
 
         self._step = types.MethodType(step, optimizer)

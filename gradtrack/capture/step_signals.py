@@ -34,10 +34,12 @@ def build_signals(
     collector: Collector,
     own_steps: bool,
     guard_every_step: bool,
+    scaled: bool = False,
 ) -> Signals:
-    """The signals ``config`` asks for. ``own_steps``: gradtrack ends each step at the
-    optimizer's step itself (an optimizer, no scaler, automatic steps), which skipping and
-    update signals need; ``guard_every_step``: the guard reads every step (spikes need it)."""
+    """The signals ``config`` asks for. ``own_steps``: each step is one step of a given
+    optimizer (and no scaler), which gradtrack's hooks wrap: skipping and update signals
+    need it; ``guard_every_step``: the guard reads every step (spikes need it); ``scaled``:
+    a GradScaler ends the steps."""
     rules = config.alerts
     layer_names = collector.index.layer_names
     skip_rules = rules.skip_rules()
@@ -45,9 +47,9 @@ def build_signals(
     if (skip_rules or exact) and not own_steps:
         feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
         raise GradtrackError(
-            f"{feature} needs optimizer= (without scaler= or steps=): gradtrack must be "
-            "at the optimizer's step, before and after it runs. (A GradScaler already "
-            "skips non-finite steps by itself.)"
+            f"{feature} needs optimizer= (without scaler=): gradtrack must be at the "
+            "optimizer's step, before and after it runs. (A GradScaler already skips "
+            "non-finite steps by itself.)"
         )
     if exact and collector.local_shards:
         raise GradtrackError("update_signals does not support sharded (FSDP2) parameters yet")
@@ -72,19 +74,21 @@ def build_signals(
     if exact:
         signals.updates = UpdateProbe(collector.params)
     elif config.update_signals == "sampled":
-        signals.missing = _sampled_missing(own_steps, bool(collector.local_shards))
+        signals.missing = _sampled_missing(own_steps, bool(collector.local_shards), scaled)
         if signals.missing is None:
             signals.updates = SampledUpdateProbe(collector.params, seed=config.histograms.seed)
     return signals
 
 
-def _sampled_missing(own_steps: bool, sharded: bool) -> str | None:
+def _sampled_missing(own_steps: bool, sharded: bool, scaled: bool) -> str | None:
     """What the default update signals (and the learning_rate rule's evidence) lack here."""
-    if not own_steps:
+    if scaled:
         return (
-            "update ratios and the learning-rate diagnosis are off: they need optimizer= "
-            "(without scaler= or steps=)"
+            "update ratios and the learning-rate diagnosis are off under a GradScaler: its "
+            "steps end at scaler.update(), after the optimizer has stepped"
         )
+    if not own_steps:
+        return "update ratios and the learning-rate diagnosis are off: they need optimizer="
     if sharded:
         return "update ratios are off: sharded (FSDP2) parameters are not supported yet"
     return None

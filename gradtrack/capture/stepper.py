@@ -21,6 +21,7 @@ class Stepper:
         self, judge: StepJudge, collect: StepCollector, handover: Handover, probes: Probes
     ) -> None:
         self.step = 0
+        self.ended = 0  # steps this watcher ended (``step`` may start past 0: a resumed run)
         self.judge = judge
         self.collect = collect
         self.handover = handover
@@ -31,6 +32,7 @@ class Stepper:
         True: a skip rule tripped, and the optimizer step is to be left out."""
         self.handover.release_held()
         step, self.step = self.step, self.step + 1
+        self.ended += 1
         probes = self.probes
         if probes.accumulation is not None:
             probes.accumulation.backward()

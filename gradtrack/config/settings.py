@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveInt,
     SecretStr,
     ValidationError,
@@ -371,6 +372,12 @@ class GradtrackConfig(BaseModel):
         "writes nothing, so a script keeps its watch line where gradtrack should stay off.",
     )
     log_every: PositiveInt = Field(10, description="Summarise every N-th step (step 0 included).")
+    log_offset: NonNegativeInt = Field(
+        0,
+        description="Summarise (and sample) the steps s where (s + log_offset) is a multiple of "
+        "log_every (and histograms.every). The Lightning callback sets 1: Lightning logs "
+        "step s where (s + 1) % log_every_n_steps == 0, so both land on the same steps.",
+    )
     granularity: Literal["layer", "parameter"] = Field(
         "layer", description="Summarise per module that owns parameters, or per parameter."
     )

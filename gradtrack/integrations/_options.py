@@ -39,18 +39,27 @@ class CallbackOptions:
         self,
         model: torch.nn.Module,
         default_backend: Callable[[], Backend],
+        optimizer: torch.optim.Optimizer | None,
         scaler: torch.amp.GradScaler | None,
         steps: StepSource,
         first_step: int,
+        config: GradtrackConfig | None = None,
     ) -> None:
         """Watch ``model`` with ``backend``, or else ``default_backend()`` (asked only where
-        this process writes). Steps count from the trainer's own optimizer-step count, so a
-        resumed run continues its step axis."""
+        this process writes), around the trainer's own ``optimizer`` (update ratios, the
+        learning-rate rule, skip). Steps count from the trainer's own optimizer-step count,
+        so a resumed run continues its step axis. ``config``: the options as the trainer's
+        own settings complete them (else the callback's)."""
         self._close()
         self.watcher = open_watcher(
-            model, lambda: self.backend or default_backend(), self.config,
-            scaler=scaler, on_alert=self.on_alert, steps=steps,
-        )  # fmt: skip
+            model,
+            lambda: self.backend or default_backend(),
+            config or self.config,
+            optimizer=optimizer,
+            scaler=scaler,
+            on_alert=self.on_alert,
+            steps=steps,
+        )
         self.watcher.step = first_step
 
     def _close(self) -> None:

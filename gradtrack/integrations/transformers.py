@@ -9,7 +9,9 @@ Trainer then logs as ``global_step`` k (its loss, its ``grad_norm``) is gradtrac
 both line up in the tracker. The record is taken at the end of the backward pass
 that completes it (the last micro-batch of gradient accumulation): the gradients the model
 produced, *before* the Trainer clips them (it clips at ``max_grad_norm=1.0`` by default, and a
-clipped gradient never looks like it exploded). Under fp16 mixed precision with a GradScaler
+clipped gradient never looks like it exploded). The Trainer's optimizer is watched too (update
+ratios, the learning-rate rule, ``action="skip"``): the one inside Accelerate's wrapper, which
+steps once per Trainer step. Under fp16 mixed precision with a GradScaler
 the record is taken at ``scaler.update()`` instead, where gradients are unscaled — and clipped.
 Layer names are the model's module names (``transformer.h.0.attn.c_attn``). Without
 ``backend`` the sinks follow ``TrainingArguments.report_to``: ``"wandb"`` → the Trainer's W&B
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from gradtrack.capture.wrappers import scaler_of, unwrap_optimizer
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.integrations._options import CallbackOptions
@@ -59,13 +62,11 @@ class GradtrackCallback(CallbackOptions, TrainerCallback):
     ) -> None:
         if model is None:
             raise GradtrackError("the Trainer gave GradtrackCallback no model")
-        # An AcceleratedOptimizer carries the fp16 GradScaler, if any.
-        scaler = getattr(optimizer, "scaler", None)
-        if not (isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()):
-            scaler = None
+        scaler = scaler_of(optimizer)
         self._open(
             model,
             default_backend=lambda: _sinks_of(args, self.config),
+            optimizer=unwrap_optimizer(optimizer),
             scaler=scaler,
             steps="auto" if scaler is not None else _last_micro_batch(),
             # The Trainer counts a step once its optimizer has stepped (global_step 1 is the

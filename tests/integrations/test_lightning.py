@@ -118,7 +118,8 @@ def test_wandb_logger_run_receives_the_gradients(offline_wandb: Path) -> None:
     wandb.teardown()
 
     rows = wandb_records.history(wandb_records.read_records(run_dir))
-    assert read_wandb_offline(run_dir).steps.tolist() == list(range(0, BATCHES, 2))
+    # Counted as Lightning counts: (step + 1) % log_every == 0, the steps Lightning logs.
+    assert read_wandb_offline(run_dir).steps.tolist() == list(range(1, BATCHES, 2))
     assert any("train_loss" in row for row in rows)  # Lightning's own metrics, same run
 
 
@@ -135,8 +136,9 @@ def test_at_lightnings_default_log_every_n_steps_every_step_is_in_its_run(
     offline_wandb: Path,
 ) -> None:
     """A WandbLogger, ``log_every_n_steps`` at its default (50), the callback at its defaults:
-    every gradtrack step read back, Lightning's rows as it logged them, and at each of them
-    gradtrack's newest step in the run within 2 x 50 steps of training."""
+    gradtrack logs the steps Lightning logs (49, 99, …), every one read back, Lightning's rows
+    as it logged them, and at each of them gradtrack's newest step in the run within 2 x 50
+    steps of training."""
     steps = 600
     memory = MemorySink()
     logger = WandbLogger(project="gradtrack-lightning", save_dir=str(offline_wandb), offline=True)
@@ -153,7 +155,7 @@ def test_at_lightnings_default_log_every_n_steps_every_step_is_in_its_run(
     wandb.teardown()
     rows = wandb_records.history(wandb_records.read_records(run_dir))
 
-    logged = list(range(0, steps, 10))  # log_every=10
+    logged = list(range(49, steps, 50))  # Lightning's log_every_n_steps, as Lightning counts
     assert [r.step for r in memory.records] == logged
     data = read_wandb_offline(run_dir)
     assert data.steps.tolist() == logged
@@ -175,11 +177,17 @@ def test_at_lightnings_default_log_every_n_steps_every_step_is_in_its_run(
 @pytest.mark.slow
 def test_mlflow_logger_run_receives_the_gradients(mlflow_server: MlflowServer) -> None:
     logger = MLFlowLogger(experiment_name="gradtrack-lightning", tracking_uri=mlflow_server.uri)
-    _fit(GradtrackCallback(log_every=3, layer_every=1, histograms=False), logger=logger)
+    _fit(
+        GradtrackCallback(log_every=3, layer_every=1, histograms=False),
+        logger=logger,
+        log_every_n_steps=3,
+    )
 
     client = mlflow.MlflowClient(mlflow_server.uri)
     history = client.get_metric_history(logger.run_id, "grad_norm/body.2")
-    assert [m.step for m in history] == list(range(0, BATCHES, 3))
+    assert [m.step for m in history] == list(range(2, BATCHES, 3))
+    lightnings = client.get_metric_history(logger.run_id, "train_loss")
+    assert [m.step for m in lightnings] == [2, 5, 8, 11]  # log_every_n_steps=3: the same
     assert client.get_metric_history(logger.run_id, "train_loss")
 
 
@@ -198,13 +206,93 @@ def test_tensorboard_logger_writer_receives_the_gradients(tmp_path: Path) -> Non
     log_dir = Path(logger.log_dir)  # tiny/version_0
     assert log_dir.name == "version_0"
     data = read_tensorboard_dir(log_dir)
-    assert data.steps.tolist() == list(range(0, BATCHES, 2))
+    assert data.steps.tolist() == list(range(1, BATCHES, 2))
     assert data.layers == ["body.0", "body.2"]
     for row, step in enumerate(data.steps.tolist()):
         expected = [seen.steps[step][layer]["norm"] for layer in data.layers]
         assert data.norms[row].tolist() == pytest.approx(expected, rel=1e-6)
-    assert [s for s, _ in data.histograms["body.0"]] == [0, 4, 8]
+    assert [s for s, _ in data.histograms["body.0"]] == [3, 7, 11]
     assert "train_loss" in load_events(log_dir).Tags()["scalars"]  # Lightning's, same dir
+
+
+class DivergingRegressor(TinyRegressor):
+    """Adam at a learning rate of 1: its first update redraws the weights."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1.0)
+
+
+def test_the_trainers_optimizer_gives_update_ratios_and_the_learning_rate_rule(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No optimizer= anywhere: the callback takes Lightning's. Update ratios are measured,
+    the learning-rate rule names a diverging rate, and nothing asks for optimizer=."""
+    sink = MemorySink()
+    torch.manual_seed(0)
+    Trainer(
+        callbacks=[GradtrackCallback(sink, log_every=1, histograms=False)],
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    ).fit(DivergingRegressor(), _loader())  # fmt: skip
+
+    assert [r.step for r in sink.records] == list(range(BATCHES))
+    assert all(r.update_ratios() is not None for r in sink.records)
+    ratios = sink.records[0].update_ratios()
+    assert ratios is not None and min(ratios) > 1  # Adam moves each weight by ~lr at first
+    (event, *_) = [e for e in sink.events if e.rule == "learning_rate"]
+    assert event.step == 0 and "the learning rate is far too high" in event.message
+    assert not any("optimizer=" in r.getMessage() for r in caplog.records)
+
+
+def test_a_skip_rule_leaves_out_lightnings_optimizer_step() -> None:
+    """``action="skip"`` on the Lightning route: the optimizer's step (given Lightning's
+    closure, which makes the gradients) is left out where the rule trips, and the weights
+    stay as they were; the other steps update them."""
+
+    class Recorded(TinyRegressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights: list[torch.Tensor] = []
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            self.weights.append(self.body[0].weight.detach().clone())
+
+    sink = MemorySink()
+    rules = {"exploding": {"threshold": 1e-9, "action": "skip"}, "spike": {"enabled": False}}
+    model = Recorded()
+    before = model.body[0].weight.detach().clone()
+    callback = GradtrackCallback(sink, log_every=1, histograms=False, alerts=rules,
+                                 skip={"max_consecutive": 3})  # fmt: skip
+    torch.manual_seed(0)
+    with pytest.raises(Exception, match="consecutive"):
+        Trainer(
+            callbacks=[callback], accelerator="cpu", max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ).fit(model, _loader())  # fmt: skip
+    # Every step trips (threshold 1e-9): three are skipped, the fourth raises.
+    assert len(model.weights) == 3
+    assert all(torch.equal(w, before) for w in model.weights)
+    assert [r.skipped_by for r in sink.records][:3] == ["exploding"] * 3
+
+
+def test_lightnings_rows_and_gradtracks_land_on_the_same_steps(tmp_path: Path) -> None:
+    """At the defaults, gradtrack logs where Lightning logs: ``log_every_n_steps=5`` over 24
+    steps puts both on steps 4, 9, 14, 19 (Lightning's CSV rows read back)."""
+    sink = MemorySink()
+    logger = CSVLogger(tmp_path, name="csv")
+    torch.manual_seed(0)
+    Trainer(
+        callbacks=[GradtrackCallback(sink, histograms=False)], logger=logger,
+        accelerator="cpu", max_epochs=1, log_every_n_steps=5, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    ).fit(TinyRegressor(), _loader(24))  # fmt: skip
+    logger.finalize("success")
+
+    lines = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    lightnings = [int(line.split(",")[header.index("step")]) for line in lines[1:]]
+    assert lightnings == [4, 9, 14, 19]
+    assert [r.step for r in sink.records] == lightnings
 
 
 def test_other_loggers_fall_back_to_the_console(
