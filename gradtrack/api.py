@@ -22,7 +22,7 @@ from gradtrack.watcher import Watcher, watcher_of
 def watch(
     model: torch.nn.Module,
     backend: Backend | Sequence[Backend] = "console",
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
     config: ConfigSource = None,
     *,
     scaler: torch.amp.GradScaler | None = None,
@@ -34,9 +34,11 @@ def watch(
 
     ``backend`` is a registered name (``"console"``, ``"memory"``, ``"tensorboard"`` …), a
     `GradientSink`, a TensorBoard ``SummaryWriter``, or a list of these. With ``optimizer``
-    there is one step per ``optimizer.step()`` (right for gradient accumulation), else one
-    per backward. ``config`` is a `GradtrackConfig`, a dict or
-    a config file; keyword ``overrides`` (``log_every=1``) win over everything else.
+    (a torch optimizer, Accelerate's wrapper of one, a DeepSpeed engine or its optimizer)
+    there is one step per real ``optimizer.step()`` (right for gradient accumulation), else
+    one per backward. Under DeepSpeed ZeRO 1–3 the ZeRO optimizer is found by itself.
+    ``config`` is a `GradtrackConfig`, a dict or a config file; keyword ``overrides``
+    (``log_every=1``) win over everything else.
     With a ``scaler`` (`torch.amp.GradScaler`) a step is one ``scaler.update()``: gradients
     are reported unscaled and overflow-skipped steps become ``amp`` events. ``on_alert`` is
     called with every `AlertEvent`, from gradtrack's worker thread. ``steps="manual"`` leaves

@@ -38,6 +38,13 @@ from gradtrack.capture.step_signals import build_signals
 from gradtrack.capture.stepper import Stepper
 from gradtrack.capture.verdict import StepJudge
 from gradtrack.capture.wrappers import scaler_of, unwrap_optimizer
+from gradtrack.capture.zero import (
+    PartitionGrads,
+    is_engine,
+    steppable,
+    zero_optimizer,
+    zero_stage,
+)
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradtrackError
@@ -69,7 +76,7 @@ class Watcher:
         model: nn.Module,
         sinks: Sequence[GradientSink],
         config: GradtrackConfig,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         scaler: torch.amp.GradScaler | None = None,
         on_alert: AlertCallback | None = None,
         steps: StepSource = "auto",
@@ -77,16 +84,38 @@ class Watcher:
         inner = unwrap_model(model)
         _refuse_watched(inner)
         scaler = scaler or scaler_of(optimizer)  # (Accelerate's fp16 wrapper carries one)
-        optimizer = unwrap_optimizer(optimizer)
         self.model_ref = weakref.ref(inner)
         self.config = config
         self.layers = discover_layers(inner, config)
         params = [p for layer in self.layers for p in layer.params]
-        self.ranks = rank_group(model, params) if config.distributed.enabled else None
+        # DeepSpeed ZeRO 1-3: the gradients live in the ZeRO optimizer's partitions, and a
+        # step is one of its steps (the end of an accumulation window), optimizer= or not.
+        self.zero_stage = zero_stage(params)
+        partitions = None
+        if optimizer is None and is_engine(model):
+            optimizer = model  # DeepSpeed counts a step per step of the engine's optimizer
+        if self.zero_stage:
+            if optimizer is None:
+                optimizer = zero_optimizer(params)
+            if optimizer is None:
+                raise GradtrackError(
+                    "under DeepSpeed ZeRO stages 1 and 2 gradtrack needs the engine, which "
+                    "steps the partitions the gradients live in: gradtrack.watch(engine, ...) "
+                    "or gradtrack.watch(engine.module, optimizer=engine)"
+                )
+            owner = optimizer.optimizer if is_engine(optimizer) else optimizer
+            partitions = PartitionGrads(params, owner)
+        optimizer = steppable(unwrap_optimizer(optimizer))
+        partitioned = partitions is not None
+        self.ranks = rank_group(model, params, partitioned) if config.distributed.enabled else None
         if any(is_dtensor(p) for p in params) and optimizer is scaler is None:
             _refuse_sharded_backwards(steps)
         self.collector = Collector(
-            self.layers, config.histograms.sample_size, config.histograms.seed, self.ranks
+            self.layers,
+            config.histograms.sample_size,
+            config.histograms.seed,
+            self.ranks,
+            partitions,
         )
         self.drops = DropCount(report)
         self.mailbox = Mailbox.for_options(config.delivery, self.drops)

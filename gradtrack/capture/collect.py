@@ -30,6 +30,7 @@ from gradtrack.capture.stats import (
     stat_rows,
     stored_values,
 )
+from gradtrack.capture.zero import PartitionGrads, full_numel
 from gradtrack.formats.histogram import split_in_proportion
 from gradtrack.handoff.evidence import EvidenceLayout, StepEvidence
 from gradtrack.handoff.layout import HostPart, TensorIndex
@@ -81,21 +82,39 @@ class Collector:
     With ``ranks`` of a sharded (DTensor) job, each rank reduces its local shards and one
     all-gather per logged step combines them (`gradtrack.capture.mesh.MeshReduction`, built here:
     one collective to find each piece's owner); DTensor gradients without ``ranks`` are
-    summarised as this rank's shards.
+    summarised as this rank's shards. With ``partitions`` (DeepSpeed ZeRO 1–3) the gradients
+    are read from the optimizer's partitions, not ``p.grad``, and combined the same way.
     """
 
     def __init__(
-        self, layers: Sequence[Layer], sample_size: int, seed: int, ranks: RankGroup | None = None
+        self,
+        layers: Sequence[Layer],
+        sample_size: int,
+        seed: int,
+        ranks: RankGroup | None = None,
+        partitions: PartitionGrads | None = None,
     ) -> None:
         self.params = [p for layer in layers for p in layer.params]
+        self.partitions = partitions
+        # The weights themselves are in pieces (FSDP2's DTensors, ZeRO-3): no update signals.
+        self.sharded_weights = partitions is not None and partitions.stage3
         tensor_layer = np.array(
             [i for i, layer in enumerate(layers) for _ in layer.params], dtype=np.int64
         )
         self.local_shards = any(is_dtensor(p) for p in self.params)
+        self.sharded_weights = self.sharded_weights or self.local_shards
         sample_counts = _split_sample_budget(layers, sample_size)
-        numel = [p.numel() for p in self.params]
+        numel = [full_numel(p) for p in self.params]
         self.mesh: MeshReduction | None = None
-        if ranks is not None and ranks.layout == "sharded":
+        if partitions is not None and ranks is not None:
+            device = self.params[0].device
+            self.mesh = MeshReduction.for_partitions(
+                ranks, partitions.local_numel, sample_counts, device
+            )
+            sample_counts = self.mesh.local_sample_counts
+        elif partitions is not None:  # each rank on its own: statistics of its partitions
+            numel = list(partitions.local_numel)
+        elif ranks is not None and ranks.layout == "sharded":
             names = [layers[i].name for i in tensor_layer]
             self.mesh = MeshReduction.build(ranks, list(zip(names, self.params)), sample_counts)
             sample_counts = self.mesh.local_sample_counts
@@ -127,7 +146,10 @@ class Collector:
         exact (fp64 accumulation costs them nothing).
         """
         with torch.no_grad():
-            grads: list[Tensor] = [p.grad for p in self.params]  # type: ignore[misc]
+            found: list[Tensor | None] = (
+                [p.grad for p in self.params] if self.partitions is None else self.partitions()
+            )
+            grads: list[Tensor] = found  # type: ignore[assignment]
             key = tuple(
                 None if g is None or not p.requires_grad else g.layout
                 for p, g in zip(self.params, grads)
@@ -327,7 +349,7 @@ def _split_sample_budget(layers: Sequence[Layer], sample_size: int) -> np.ndarra
     """Per tensor, its share of its layer's sample: ``min(sample_size, layer numel)`` in all,
     split in proportion to size."""
     counts = [
-        split_in_proportion(sample_size, np.array([p.numel() for p in layer.params]))
+        split_in_proportion(sample_size, np.array([full_numel(p) for p in layer.params]))
         for layer in layers
     ]
     return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int64)

@@ -9,8 +9,9 @@ Two layouts, told apart by the parameters:
   gradient), and one all-gather brings every rank's norms to rank 0: the ranks where a
   NaN/Inf arose, and per-rank layer norms with ``distributed.gather_ranks``.
 * **sharded** (DTensor parameters on any device mesh: FSDP2, HSDP, tensor parallel and
-  their 2-D combinations): each rank reduces its local shards and one all-gather combines
-  them into the full gradients' statistics (`gradtrack.capture.mesh.MeshReduction`).
+  their 2-D combinations; DeepSpeed ZeRO 1–3's partitioned gradients): each rank reduces its
+  local shards and one all-gather combines them into the full gradients' statistics
+  (`gradtrack.capture.mesh.MeshReduction`).
 
 Steps that are not logged see no collective at all.
 """
@@ -75,11 +76,14 @@ class RankGroup:
         return box[0]
 
 
-def rank_group(model: nn.Module, params: list[nn.Parameter]) -> RankGroup | None:
-    """How ``model`` is trained across processes; None in a single process."""
+def rank_group(
+    model: nn.Module, params: list[nn.Parameter], partitioned: bool = False
+) -> RankGroup | None:
+    """How ``model`` is trained across processes; None in a single process. ``partitioned``:
+    each rank holds a piece of every reduced gradient (DeepSpeed ZeRO 1–3)."""
     if not _initialized():
         return None
-    if any(is_dtensor(p) for p in params):  # every mesh is within the default group
+    if partitioned or any(is_dtensor(p) for p in params):  # within the default group
         return RankGroup("sharded", None, dist.get_rank(), dist.get_world_size())
     group = getattr(model, "process_group", None)
     world_size = dist.get_world_size(group)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from gradtrack.capture.zero import is_engine
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.formats.keys import metric_key
@@ -32,8 +33,8 @@ class Layer:
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's model inside the wrappers that only forward to it: ``torch.compile``'s
-    ``OptimizedModule`` and (Distributed)DataParallel. Layers are named from it, so a run's
-    keys are the same with or without the wrappers.
+    ``OptimizedModule``, (Distributed)DataParallel and DeepSpeed's engine. Layers are named
+    from it, so a run's keys are the same with or without the wrappers.
 
     >>> inner = nn.Linear(2, 1)
     >>> unwrap_model(nn.DataParallel(inner)) is inner
@@ -42,6 +43,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             model = model.module
+        elif is_engine(model):
+            model = model.module  # type: ignore[assignment]
         elif type(model).__name__ == "OptimizedModule" and isinstance(
             inner := getattr(model, "_orig_mod", None), nn.Module
         ):

@@ -110,23 +110,52 @@ class MeshReduction:
         keys = [piece_key(param, name) for name, param in layers]
         local = [local_tensor(p) for p in params]
         mesh_dims, coordinate = mesh_of(params)
-        mine = torch.tensor(
-            [*keys, *(t.numel() for t in local), *coordinate],
-            dtype=torch.float64,
-            device=local[0].device,
+        numel = [t.numel() for t in local]
+        return cls._of_pieces(
+            ranks, keys, numel, mesh_dims, coordinate, sample_counts, local[0].device
         )
+
+    @classmethod
+    def for_partitions(
+        cls,
+        ranks: RankGroup,
+        local_numel: Sequence[int],
+        sample_counts: np.ndarray,
+        device: torch.device,
+    ) -> MeshReduction:
+        """Every rank holding a disjoint piece of each tensor (``local_numel`` elements of it
+        here, maybe none): DeepSpeed ZeRO's partitions, on a one-dimensional ``dp`` mesh."""
+        keys = [ranks.rank if n > 0 else -1 for n in local_numel]
+        return cls._of_pieces(
+            ranks, keys, list(local_numel), ("dp",), (ranks.rank,), sample_counts, device
+        )
+
+    @classmethod
+    def _of_pieces(
+        cls,
+        ranks: RankGroup,
+        keys: list[int],
+        numel: list[int],
+        mesh_dims: tuple[str, ...],
+        coordinate: tuple[int, ...],
+        sample_counts: np.ndarray,
+        device: torch.device,
+    ) -> MeshReduction:
+        """The owners of each piece (the lowest rank holding it), from one all-gather of every
+        rank's piece keys, sizes and mesh coordinates."""
+        mine = torch.tensor([*keys, *numel, *coordinate], dtype=torch.float64, device=device)
         world = ranks.all_gather(mine).cpu().numpy().astype(np.int64)
-        n = len(params)
-        key, numel = world[:, :n], world[:, n : 2 * n]
+        n = len(keys)
+        key, numel_of = world[:, :n], world[:, n : 2 * n]
         owner = np.zeros_like(key, dtype=bool)
         for tensor in range(n):
             column = key[:, tensor]
             for piece in set(column.tolist()) - {-1}:
                 owner[np.flatnonzero(column == piece)[0], tensor] = True
-        owned = np.where(owner, numel, 0)
+        owned = np.where(owner, numel_of, 0)
         return cls(
             ranks,
-            torch.as_tensor(owner, device=local[0].device),
+            torch.as_tensor(owner, device=device),
             _proportional_shares(owned, sample_counts),
             mesh_dims,
             world[:, 2 * n :],

@@ -118,8 +118,11 @@ class Probes:
         if records_here or collector.mesh is not None:
             self.output = OutputProbe(model, is_due)
             self.handles.append(self.output.handle)
-        if records_here:
+        # A replay of ZeRO-3's forward would gather parameters on this rank alone.
+        zero3 = collector.partitions is not None and collector.partitions.stage3
+        if records_here and not zero3:
             self.origin = OriginProbe(unwrap_model(model))
+        if records_here:
             if output_modules:
                 self.activations = ActivationProbe(output_modules, is_due)
                 self.handles.extend(self.activations.handles)

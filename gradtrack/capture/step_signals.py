@@ -51,8 +51,15 @@ def build_signals(
             "optimizer's step, before and after it runs. (A GradScaler already skips "
             "non-finite steps by itself.)"
         )
-    if exact and collector.local_shards:
-        raise GradtrackError("update_signals does not support sharded (FSDP2) parameters yet")
+    if skip_rules and collector.partitions is not None:
+        raise GradtrackError(
+            f"action='skip' ({', '.join(skip_rules)}) cannot leave out a DeepSpeed ZeRO step: "
+            "the ZeRO optimizer steps its own partitions; use action='raise' or 'warn'"
+        )
+    if exact and collector.sharded_weights:
+        raise GradtrackError(
+            "update_signals does not support sharded parameters (FSDP2, ZeRO-3) yet"
+        )
     signals = Signals()
     columns: list[str | None] = [None, *layer_names]
     spike_on = [rules.for_layer("spike", layer).enabled for layer in columns]
@@ -74,7 +81,7 @@ def build_signals(
     if exact:
         signals.updates = UpdateProbe(collector.params)
     elif config.update_signals == "sampled":
-        signals.missing = _sampled_missing(own_steps, bool(collector.local_shards), scaled)
+        signals.missing = _sampled_missing(own_steps, collector.sharded_weights, scaled)
         if signals.missing is None:
             signals.updates = SampledUpdateProbe(collector.params, seed=config.histograms.seed)
     return signals
@@ -90,5 +97,5 @@ def _sampled_missing(own_steps: bool, sharded: bool, scaled: bool) -> str | None
     if not own_steps:
         return "update ratios and the learning-rate diagnosis are off: they need optimizer="
     if sharded:
-        return "update ratios are off: sharded (FSDP2) parameters are not supported yet"
+        return "update ratios are off: sharded parameters (FSDP2, ZeRO-3) are not supported yet"
     return None
