@@ -120,17 +120,20 @@ def run(rank: int, case: Case, port: int, out: Path) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     sink = MemorySink()
-    watcher = None
+    watcher, refused = None, None
     if case.watch != "off":
         given = {"none": None, "engine": engine, "wrapper": engine.optimizer}[case.optimizer]
-        watcher = gradtrack.watch(
-            engine if case.watch == "engine" else engine.module,
-            backend=sink,
-            optimizer=given,
-            histograms=False,
-            layer_every=1,
-            **{"log_every": 1, **case.options},
-        )
+        try:
+            watcher = gradtrack.watch(
+                engine if case.watch == "engine" else engine.module,
+                backend=sink,
+                optimizer=given,
+                histograms=False,
+                layer_every=1,
+                **{"log_every": 1, **case.options},
+            )
+        except gradtrack.GradtrackError as exc:  # training goes on, unwatched
+            refused = str(exc)
     references: list[dict[str, dict[str, float]]] = []
     ds_norms: list[float] = []
     collectives: list[int] = []
@@ -171,6 +174,7 @@ def run(rank: int, case: Case, port: int, out: Path) -> None:
         "ds_norms": ds_norms,
         "collectives": collectives,
         "n_sinks": 0 if watcher is None else len(watcher.sinks),
+        "refused": refused,
         "layer_names": None if watcher is None else watcher.layer_names,
     }
     with (out / f"rank{rank}.pkl").open("wb") as f:
