@@ -143,8 +143,7 @@ class StepNoise:
         else:
             return (
                 "it needs two batch sizes: data-parallel ranks, or gradient accumulation "
-                "(several backward passes per optimizer step, with gradtrack.watch(..., "
-                "optimizer=optimizer))"
+                "(several backward passes per step)"
             )
         if not b_small:
             return (

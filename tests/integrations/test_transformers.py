@@ -147,6 +147,51 @@ def test_gradients_are_seen_before_the_trainer_clips_them(tmp_path: Path) -> Non
     assert min(totals) > 0.1
 
 
+def test_the_trainers_optimizer_gives_update_ratios_and_the_learning_rate_rule(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No optimizer= anywhere: the callback watches the Trainer's AdamW (inside Accelerate's
+    wrapper). Update ratios are measured once per optimizer step, a diverging learning rate
+    is named, and the closing line counts the steps trained (not the last step's number)."""
+    sink = MemorySink()
+    with caplog.at_level("INFO", logger="gradtrack"):
+        _train(
+            tmp_path,
+            GradtrackCallback(sink, log_every=1, histograms=False),
+            learning_rate=1.0,
+            max_grad_norm=0.0,
+            warmup_steps=0,
+        )
+
+    assert [r.step for r in sink.records] == list(range(1, STEPS + 1))
+    assert all(r.update_ratios() is not None for r in sink.records)
+    # Accumulation over 2 micro-batches gives the noise scale its two batch sizes.
+    assert sink.records[-1].noise_scale is not None
+    (event, *_) = [e for e in sink.events if e.rule == "learning_rate"]
+    assert event.step == 1 and "the learning rate is far too high" in event.message
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("optimizer=" in m for m in messages)
+    assert f"closed after {STEPS} steps" in messages
+
+
+def test_a_skip_rule_leaves_out_the_trainers_optimizer_step(tmp_path: Path) -> None:
+    """``action="skip"`` through the Trainer: the step ends at the last micro-batch's
+    backward, the verdict holds the Trainer's ``optimizer.step()`` back, the weights stay."""
+    sink = MemorySink()
+    rules = {"exploding": {"threshold": 1e-9, "action": "skip"}, "spike": {"enabled": False}}
+    callback = GradtrackCallback(sink, log_every=1, histograms=False, alerts=rules,
+                                 skip={"max_consecutive": STEPS + 1})  # fmt: skip
+    torch.manual_seed(0)
+    before = {k: v.clone() for k, v in GPT2LMHeadModel(
+        GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    ).state_dict().items()}  # fmt: skip
+    _, trainer = _train(tmp_path, callback)
+
+    assert [r.skipped_by for r in sink.records] == ["exploding"] * STEPS
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.slow
 def test_report_to_wandb_writes_into_the_trainers_run(offline_wandb: Path) -> None:
     _train(
