@@ -37,14 +37,7 @@ from gradtrack.capture.step_rules import StepRules
 from gradtrack.capture.step_signals import build_signals
 from gradtrack.capture.stepper import Stepper
 from gradtrack.capture.verdict import StepJudge
-from gradtrack.capture.wrappers import scaler_of, unwrap_optimizer
-from gradtrack.capture.zero import (
-    PartitionGrads,
-    is_engine,
-    steppable,
-    zero_optimizer,
-    zero_stage,
-)
+from gradtrack.capture.wrappers import hooked_optimizer, scaler_of
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradtrackError
@@ -88,35 +81,13 @@ class Watcher:
         self.config = config
         self.layers = discover_layers(inner, config)
         params = [p for layer in self.layers for p in layer.params]
-        # DeepSpeed ZeRO 1-3: the gradients live in the ZeRO optimizer's partitions, and a
-        # step is one of its steps (the end of an accumulation window), optimizer= or not.
-        self.zero_stage = zero_stage(params)
-        partitions = None
-        if optimizer is None and is_engine(model):
-            optimizer = model  # DeepSpeed counts a step per step of the engine's optimizer
-        if self.zero_stage:
-            if optimizer is None:
-                optimizer = zero_optimizer(params)
-            if optimizer is None:
-                raise GradtrackError(
-                    "under DeepSpeed ZeRO stages 1 and 2 gradtrack needs the engine, which "
-                    "steps the partitions the gradients live in: gradtrack.watch(engine, ...) "
-                    "or gradtrack.watch(engine.module, optimizer=engine)"
-                )
-            owner = optimizer.optimizer if is_engine(optimizer) else optimizer
-            partitions = PartitionGrads(params, owner)
-        optimizer = steppable(unwrap_optimizer(optimizer))
+        optimizer, partitions = hooked_optimizer(model, params, optimizer)
         partitioned = partitions is not None
         self.ranks = rank_group(model, params, partitioned) if config.distributed.enabled else None
         if any(is_dtensor(p) for p in params) and optimizer is scaler is None:
             _refuse_sharded_backwards(steps)
-        self.collector = Collector(
-            self.layers,
-            config.histograms.sample_size,
-            config.histograms.seed,
-            self.ranks,
-            partitions,
-        )
+        hist = config.histograms
+        self.collector = Collector(self.layers, hist.sample_size, hist.seed, self.ranks, partitions)
         self.drops = DropCount(report)
         self.mailbox = Mailbox.for_options(config.delivery, self.drops)
         watched_outputs = activation_modules(inner, config) if config.activations else []
@@ -131,13 +102,12 @@ class Watcher:
         )
         self.collect_errors = 0
         self.closed = False
-        self._queued_for_task = -1  # the backward (graph task) whose end is already hooked
         self._steps = steps
-        self._skip_next = False  # a skip verdict for the coming optimizer step (steps not "auto")
         self._build_step_path(sinks, on_alert, optimizer is not None, scaler is not None)
         try:
+            skipping = self.judge.signals.skips is not None
             self.probes.attach_step_source(
-                model, params, optimizer, scaler, steps, self.judge.signals.skips is not None, self
+                model, params, optimizer, scaler, steps, skipping, self, self.ranks is not None
             )
             if self.judge.signals.updates is not None and optimizer is not None:
                 hook = optimizer.register_step_post_hook(self._after_optimizer_step)
@@ -158,17 +128,17 @@ class Watcher:
         self,
         sinks: Sequence[GradientSink],
         on_alert: AlertCallback | None,
-        optimized: bool,
+        stepped: bool,
         scaled: bool,
     ) -> None:
-        """The parts a step passes through, from its verdict to the sinks. ``optimized``: an
+        """The parts a step passes through, from its verdict to the sinks. ``stepped``: an
         optimizer steps once per step; ``scaled``: a GradScaler's update ends each step."""
         config = self.config
         # The guard's verdict is read at every step unless each rank sees only its shards
         # (FSDP2): unlogged steps would need a collective, so the logged steps judge.
         replicated = self.ranks is not None and self.ranks.layout == "replicated"
         every_step = self.ranks is None or replicated
-        own_steps = optimized and not scaled
+        own_steps = stepped and not scaled
         signals = build_signals(config, self.collector, own_steps, every_step, scaled)
         raising = config.alerts.with_action("raise")
         # A raise rule the step's norms cannot judge has the worker judge every due step.
@@ -243,22 +213,6 @@ class Watcher:
         }
 
     # -- hooks (training thread) ----------------------------------------------------------
-    def _grad_ready(self, _param: torch.Tensor) -> None:
-        # Cheap on purpose: it runs for every parameter on every backward. Keyed by graph
-        # task, so a backward that raised before its end cannot block the next one.
-        task = torch._C._current_graph_task_id()
-        if task != self._queued_for_task:
-            self._queued_for_task = task
-            if callable(self._steps) and not self._steps():
-                return  # e.g. a gradient-accumulation micro-batch
-            end = self._step_boundary if self.ranks is None else self._after_reducer
-            torch.autograd.Variable._execution_engine.queue_callback(end)
-
-    def _after_reducer(self) -> None:
-        # DDP queues its own end-of-backward callback (copying the all-reduced gradients
-        # back) after ours was queued; a callback queued now runs after it.
-        torch.autograd.Variable._execution_engine.queue_callback(self._step_boundary)
-
     def _before_optimizer_step(self, *_: Any) -> None:
         self._step_boundary()
 
@@ -278,12 +232,8 @@ class Watcher:
 
     def _step_boundary(self) -> None:
         skip = self._end_step()
-        if self._steps != "auto":  # the optimizer step that follows asks for it
-            self._skip_next = skip
-
-    def _take_skip(self) -> bool:
-        skip, self._skip_next = self._skip_next, False
-        return skip
+        if self.probes.gate is not None:  # (steps ended by hand or at backward)
+            self.probes.gate.held = skip
 
     def _end_step(self) -> bool:
         """True: a skip rule tripped, and the optimizer step is to be left out."""

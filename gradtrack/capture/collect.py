@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradtrack.capture.distributed import RankGroup, is_dtensor, local_tensor
 from gradtrack.capture.layers import Layer
@@ -96,30 +96,15 @@ class Collector:
     ) -> None:
         self.params = [p for layer in layers for p in layer.params]
         self.partitions = partitions
-        # The weights themselves are in pieces (FSDP2's DTensors, ZeRO-3): no update signals.
-        self.sharded_weights = partitions is not None and partitions.stage3
         tensor_layer = np.array(
             [i for i, layer in enumerate(layers) for _ in layer.params], dtype=np.int64
         )
         self.local_shards = any(is_dtensor(p) for p in self.params)
-        self.sharded_weights = self.sharded_weights or self.local_shards
-        sample_counts = _split_sample_budget(layers, sample_size)
-        numel = [full_numel(p) for p in self.params]
-        self.mesh: MeshReduction | None = None
-        if partitions is not None and ranks is not None:
-            device = self.params[0].device
-            self.mesh = MeshReduction.for_partitions(
-                ranks, partitions.local_numel, sample_counts, device
-            )
-            sample_counts = self.mesh.local_sample_counts
-        elif partitions is not None:  # each rank on its own: statistics of its partitions
-            numel = list(partitions.local_numel)
-        elif ranks is not None and ranks.layout == "sharded":
-            names = [layers[i].name for i in tensor_layer]
-            self.mesh = MeshReduction.build(ranks, list(zip(names, self.params)), sample_counts)
-            sample_counts = self.mesh.local_sample_counts
-        elif self.local_shards:  # each rank on its own: statistics of its shards
-            numel = [local_tensor(p).numel() for p in self.params]
+        # The weights themselves are in pieces (FSDP2's DTensors, ZeRO-3): no update signals.
+        self.sharded_weights = self.local_shards or bool(partitions and partitions.stage3)
+        self.mesh, sample_counts, numel = _combined_pieces(
+            layers, self.params, tensor_layer, ranks, partitions, sample_size
+        )
         self.sample_counts = sample_counts
         self.index = TensorIndex(
             tuple(layer.name for layer in layers), tensor_layer, np.array(numel, dtype=np.int64)
@@ -339,6 +324,35 @@ class Collector:
         if key not in self._placeholders:
             self._placeholders[key] = torch.zeros(1, device=grad.device, dtype=grad.dtype)
         return self._placeholders[key]
+
+
+def _combined_pieces(
+    layers: Sequence[Layer],
+    params: list[nn.Parameter],
+    tensor_layer: np.ndarray,
+    ranks: RankGroup | None,
+    partitions: PartitionGrads | None,
+    sample_size: int,
+) -> tuple[MeshReduction | None, np.ndarray, list[int]]:
+    """How the ranks' pieces of each gradient combine (None: they do not), each tensor's
+    histogram sample on this rank, and the elements each tensor's statistics cover: the
+    whole tensor's where pieces combine or the gradient is whole, else this rank's piece's
+    (DTensor shards or ZeRO partitions summarised by each rank on its own)."""
+    sample_counts = _split_sample_budget(layers, sample_size)
+    numel = [full_numel(p) for p in params]
+    mesh = None
+    if partitions is not None and ranks is not None:
+        mesh = MeshReduction.for_partitions(
+            ranks, partitions.local_numel, sample_counts, params[0].device
+        )
+    elif partitions is not None:
+        numel = list(partitions.local_numel)
+    elif ranks is not None and ranks.layout == "sharded":
+        names = [layers[i].name for i in tensor_layer]
+        mesh = MeshReduction.build(ranks, list(zip(names, params)), sample_counts)
+    elif any(is_dtensor(p) for p in params):
+        numel = [local_tensor(p).numel() for p in params]
+    return mesh, (sample_counts if mesh is None else mesh.local_sample_counts), numel
 
 
 def _numel_of(grads: Sequence[Tensor]) -> np.ndarray:

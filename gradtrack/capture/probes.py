@@ -37,11 +37,36 @@ class StepHooks(Protocol):
     """What the hooks that end a step call (a `Watcher`)."""
 
     def _step_boundary(self) -> None: ...
-    def _take_skip(self) -> bool: ...
-    def _grad_ready(self, param: torch.Tensor) -> None: ...
     def _before_optimizer_step(self, *args: Any) -> None: ...
     def _after_optimizer_step(self, *args: Any) -> None: ...
     def _end_step(self) -> bool: ...
+
+
+class BackwardEnd:
+    """Ends a step at the end of each backward pass (of those ``steps`` picks, where it is a
+    predicate): the first gradient ready queues ``end`` to run once autograd has finished."""
+
+    def __init__(self, end: Callable[[], None], steps: StepSource, after_reducer: bool) -> None:
+        self._end = end
+        self._picks = steps if callable(steps) else None
+        self._after_reducer = after_reducer
+        self._queued_for_task = -1  # the backward (graph task) whose end is already queued
+
+    def grad_ready(self, _param: torch.Tensor) -> None:
+        # Cheap on purpose: it runs for every parameter on every backward. Keyed by graph
+        # task, so a backward that raised before its end cannot block the next one.
+        task = torch._C._current_graph_task_id()
+        if task != self._queued_for_task:
+            self._queued_for_task = task
+            if self._picks is not None and not self._picks():
+                return  # e.g. a gradient-accumulation micro-batch
+            end = self._end if not self._after_reducer else self._queue_end
+            torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def _queue_end(self) -> None:
+        # DDP queues its own end-of-backward callback (copying the all-reduced gradients
+        # back) after ours was queued; a callback queued now runs after it.
+        torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
 
 class Probes:
@@ -75,25 +100,27 @@ class Probes:
         steps: StepSource,
         skipping: bool,
         on: StepHooks,
+        distributed: bool = False,
     ) -> None:
         """The hooks that end each step: the scaler's update, the optimizer's step (gated
         where a rule may skip it), or the end of each backward (``steps`` a predicate: of
         those it picks). Where the owner or a predicate ends steps, an ``optimizer`` is
-        stepped once per step: a skip rule's gate reads the verdict of the step just ended."""
+        stepped once per step: a skip rule's gate holds the verdict of the step just ended."""
         manual = steps == "manual"
         at_optimizer = optimizer is not None and steps == "auto"
         if scaler is not None:
             self.scaler_tap = ScalerTap(scaler, None if manual else on._step_boundary)
         elif optimizer is not None and skipping:
-            self.gate = OptimizerGate(optimizer, on._end_step if at_optimizer else on._take_skip)
+            self.gate = OptimizerGate(optimizer, on._end_step if at_optimizer else None)
             self.forwards = ForwardCounter(model)
             self.handles.append(self.forwards.handle)
         elif optimizer is not None and at_optimizer:
             self.handles.append(optimizer.register_step_pre_hook(on._before_optimizer_step))
         if scaler is None and not at_optimizer and not manual:
+            end = BackwardEnd(on._step_boundary, steps, after_reducer=distributed)
             for param in params:
                 if param.requires_grad:
-                    self.handles.append(param.register_post_accumulate_grad_hook(on._grad_ready))
+                    self.handles.append(param.register_post_accumulate_grad_hook(end.grad_ready))
             if steps == "auto":  # one step per backward: tell accumulation apart
                 self.accumulation = AccumulationCheck(params)
                 self.handles.append(self.accumulation.handle)

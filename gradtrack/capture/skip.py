@@ -131,7 +131,8 @@ class ForwardCounter:
 
 
 class OptimizerGate:
-    """Wraps ``optimizer.step`` so that ``should_skip()``, asked first, can leave it out.
+    """Wraps ``optimizer.step`` so that ``should_skip()``, asked first, can leave it out;
+    without ``should_skip`` the step is left out where the step's end set ``held``.
 
     A step given a closure (Lightning's, which runs the forward and backward) has its
     closure run once first, so that the verdict is on the gradients it makes; the optimizer
@@ -140,13 +141,16 @@ class OptimizerGate:
     the gate since, makes it pass through.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, should_skip: Callable[[], bool]):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, should_skip: Callable[[], bool] | None
+    ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise GradtrackError(
                 "action='skip' cannot gate LBFGS: it evaluates its closure several times per "
                 "step; use action='warn' or 'raise' with this optimizer"
             )
         self.optimizer = optimizer
+        self.held = False  # the verdict of a step ended before its optimizer step
         self._active = True
         self._had_own = "step" in vars(optimizer)
         original = optimizer.step
@@ -160,9 +164,11 @@ class OptimizerGate:
                 with torch.enable_grad():
                     loss = closure()
                 args, kwargs = args[1:], {**kwargs, "closure": lambda: loss}
-            if should_skip():
-                return loss
-            return original(*args, **kwargs)
+            if should_skip is None:
+                skip, self.held = self.held, False
+            else:
+                skip = should_skip()
+            return loss if skip else original(*args, **kwargs)
 
         self._step = types.MethodType(step, optimizer)
         self._original = original

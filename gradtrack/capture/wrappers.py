@@ -3,7 +3,8 @@
 Accelerate's ``AcceleratedOptimizer`` (what ``accelerator.prepare`` and the Hugging Face
 Trainer return) is called at every micro-batch and steps its inner optimizer only where
 ``sync_gradients`` says so: gradtrack hooks the inner one, so a step is one real optimizer
-step. A framework is looked at only if the user has imported it.
+step. A DeepSpeed engine steps its own optimizer (`gradtrack.capture.zero`). A framework is
+looked at only if the user has imported it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import sys
 from typing import Any
 
 import torch
+from torch import nn
+
+from gradtrack.capture.zero import PartitionGrads, is_engine, steppable, zero_optimizer, zero_stage
+from gradtrack.errors import GradtrackError
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -36,3 +41,27 @@ def scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
     if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
         return scaler
     return None
+
+
+def hooked_optimizer(
+    model: nn.Module, params: list[nn.Parameter], optimizer: Any
+) -> tuple[Any, PartitionGrads | None]:
+    """The optimizer whose step is a gradtrack step, as gradtrack hooks it (see
+    `gradtrack.capture.zero.steppable`), and under DeepSpeed ZeRO 1–3 the partitions the
+    gradients live in. A DeepSpeed engine watched without ``optimizer=`` gives its own: one
+    step per step of it, as DeepSpeed counts them."""
+    if optimizer is None and is_engine(model):
+        optimizer = model
+    partitions = None
+    if zero_stage(params):
+        if optimizer is None:
+            optimizer = zero_optimizer(params)  # ZeRO-3's parameters link to it
+        if optimizer is None:
+            raise GradtrackError(
+                "under DeepSpeed ZeRO stages 1 and 2 gradtrack needs the engine, which "
+                "steps the partitions the gradients live in: gradtrack.watch(engine, ...) "
+                "or gradtrack.watch(engine.module, optimizer=engine)"
+            )
+        owner = optimizer.optimizer if is_engine(optimizer) else optimizer
+        partitions = PartitionGrads(params, owner)
+    return steppable(unwrap_optimizer(optimizer)), partitions

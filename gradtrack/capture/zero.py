@@ -80,7 +80,8 @@ class PartitionGrads:
     def __init__(self, params: Sequence[nn.Parameter], optimizer: Any) -> None:
         self.params = list(params)
         self.optimizer = optimizer
-        self.stage3 = zero_stage(self.params) == 3
+        self.stage = zero_stage(self.params)  # 3, or 1 for stages 1 and 2
+        self.stage3 = self.stage == 3
         self.local_numel = [self._held(p) for p in self.params]
         # A tensor this rank holds none of reads as empty (its statistics come from the
         # ranks that hold it), so every rank has a row for every tensor.
@@ -111,9 +112,7 @@ class PartitionGrads:
                 pieces.append(mapping.get_lp_grad_fragment(p._index_in_param_group))  # type: ignore[attr-defined]
         scale = float(getattr(self.optimizer, "loss_scale", 1.0) or 1.0)
         if scale != 1.0:  # fp16: DeepSpeed keeps the gradients scaled until its step
-            present = [t for t in pieces if t is not None]
-            unscaled = iter(torch._foreach_div(present, scale))
-            pieces = [None if t is None else next(unscaled) for t in pieces]
+            pieces = [None if t is None else t / scale for t in pieces]
         return pieces
 
 
