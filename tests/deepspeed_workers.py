@@ -175,6 +175,8 @@ def run(rank: int, case: Case, port: int, out: Path) -> None:
         "collectives": collectives,
         "n_sinks": 0 if watcher is None else len(watcher.sinks),
         "refused": refused,
+        # After close the engine's optimizer has its own step again (no wrapper left).
+        "step_wrapped": "step" in vars(engine.optimizer),
         "layer_names": None if watcher is None else watcher.layer_names,
     }
     with (out / f"rank{rank}.pkl").open("wb") as f:

@@ -52,6 +52,7 @@ def test_zero_statistics_are_those_of_the_gradient_the_optimizer_applies(
         totals = [r.total_norm for r in records]
         np.testing.assert_allclose(totals, rank0["ds_norms"], rtol=1e-5)
     assert rank0["references"] == rank1["references"]  # the same full gradient on both
+    assert not rank0["step_wrapped"] and not rank1["step_wrapped"]
 
 
 @pytest.mark.slow

@@ -53,7 +53,8 @@ def hooked_optimizer(
     if optimizer is None and is_engine(model):
         optimizer = model
     partitions = None
-    if zero_stage(params):
+    stage = zero_stage(params)
+    if stage:
         if optimizer is None:
             optimizer = zero_optimizer(params)  # ZeRO-3's parameters link to it
         if optimizer is None:
@@ -63,5 +64,5 @@ def hooked_optimizer(
                 "or gradtrack.watch(engine.module, optimizer=engine)"
             )
         owner = optimizer.optimizer if is_engine(optimizer) else optimizer
-        partitions = PartitionGrads(params, owner)
+        partitions = PartitionGrads(params, owner, stage)
     return steppable(unwrap_optimizer(optimizer)), partitions

@@ -12,7 +12,8 @@ whole on every rank.
   holds (the last rank's partition is padded);
 * stages 1 and 2: the parameter's fragment of the optimizer's reduced partition, through the
   ``_hp_mapping`` that ``safe_get_full_grad`` itself reads before its all-reduce (DeepSpeed
-  has no public call for a fragment below stage 3; ``tests/test_private_apis.py`` holds it).
+  has no public call for a fragment below stage 3; ``tests/test_deepspeed.py`` holds it: its
+  statistics must equal ``safe_get_full_grad``'s at every stage).
 
 A step is one step of the ZeRO optimizer: DeepSpeed calls it at the end of each gradient
 accumulation window (``engine.step()`` after every micro-batch, as DeepSpeed counts steps),
@@ -77,11 +78,10 @@ class PartitionGrads:
     of a `Collector` under ZeRO 1–3. ``local_numel``: the elements of each piece (0: this
     rank holds none of the tensor)."""
 
-    def __init__(self, params: Sequence[nn.Parameter], optimizer: Any) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], optimizer: Any, stage: int) -> None:
         self.params = list(params)
         self.optimizer = optimizer
-        self.stage = zero_stage(self.params)  # 3, or 1 for stages 1 and 2
-        self.stage3 = self.stage == 3
+        self.stage3 = stage == 3  # (else 1: stages 1 and 2, see `zero_stage`)
         self.local_numel = [self._held(p) for p in self.params]
         # A tensor this rank holds none of reads as empty (its statistics come from the
         # ranks that hold it), so every rank has a row for every tensor.
@@ -117,18 +117,22 @@ class PartitionGrads:
 
 
 class _Handle:
-    def __init__(self, hooks: list[Callable[..., Any]], hook: Callable[..., Any]) -> None:
-        self._hooks, self._hook = hooks, hook
+    """Removes one hook of a `StepHooks`; the last one removed gives the optimizer its own
+    ``step`` back."""
+
+    def __init__(self, owner: StepHooks, hooks: list[Callable[..., Any]], hook: Any) -> None:
+        self._owner, self._hooks, self._hook = owner, hooks, hook
 
     def remove(self) -> None:
         if self._hook in self._hooks:
             self._hooks.remove(self._hook)
+            self._owner.restore_if_unused()
 
 
 class StepHooks:
     """``register_step_pre_hook`` and ``register_step_post_hook`` for an optimizer that is no
-    `torch.optim.Optimizer` (DeepSpeed's ZeRO and fp16 wrappers): its ``step`` wrapped once
-    (an instance attribute, removed with the last hook), the hooks called around it."""
+    `torch.optim.Optimizer` (DeepSpeed's ZeRO and fp16 wrappers): its ``step`` wrapped while
+    a hook is registered (an instance attribute), the hooks called around it."""
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
@@ -159,37 +163,24 @@ class StepHooks:
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> _Handle:
         self._install()
         self._pre.append(hook)
-        return self._releasing(_Handle(self._pre, hook))
+        return _Handle(self, self._pre, hook)
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> _Handle:
         self._install()
         self._post.append(hook)
-        return self._releasing(_Handle(self._post, hook))
+        return _Handle(self, self._post, hook)
 
-    def _releasing(self, handle: _Handle) -> _Handle:
-        remove = handle.remove
-
-        def removed() -> None:
-            remove()
-            if not self._pre and not self._post:
-                self.restore()
-
-        handle.remove = removed  # type: ignore[method-assign]
-        return handle
-
-    def restore(self) -> None:
-        """The optimizer's own ``step`` back; where something wrapped ours since, ours
-        stays and calls no hook."""
-        if self._step is not None and vars(self.optimizer).get("step") is self._step:
+    def restore_if_unused(self) -> None:
+        """The optimizer's own ``step`` back once no hook is left; where something wrapped
+        ours since, ours stays and calls no hook."""
+        if self._pre or self._post or self._step is None:
+            return
+        if vars(self.optimizer).get("step") is self._step:
             if self._had_own:
                 self.optimizer.step = self._original
             else:
                 del self.optimizer.step
         self._step = None
-
-    @property
-    def param_groups(self) -> Any:
-        return self.optimizer.param_groups
 
 
 def steppable(optimizer: Any) -> Any:

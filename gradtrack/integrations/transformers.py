@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gradtrack.capture.wrappers import scaler_of, unwrap_optimizer
+from gradtrack.capture.wrappers import scaler_of
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.integrations._options import CallbackOptions
@@ -66,7 +66,7 @@ class GradtrackCallback(CallbackOptions, TrainerCallback):
         self._open(
             model,
             default_backend=lambda: _sinks_of(args, self.config),
-            optimizer=unwrap_optimizer(optimizer),
+            optimizer=optimizer,  # (the watcher hooks the one inside Accelerate's wrapper)
             scaler=scaler,
             steps="auto" if scaler is not None else _last_micro_batch(),
             # The Trainer counts a step once its optimizer has stepped (global_step 1 is the
