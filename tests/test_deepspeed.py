@@ -94,19 +94,38 @@ def test_a_logged_zero_step_costs_at_most_one_collective_more(tmp_path: Path, st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_nan_made_in_one_layer_on_one_rank_is_named(tmp_path: Path, stage: int) -> None:
-    """Layer 2's gradient made NaN on rank 1 at a logged step (3): the reduced gradient's NaN
-    lies in both ranks' partitions of it; gradtrack names the layer and the step. (DeepSpeed
-    skips a step whose norm is non-finite by itself; an unlogged one is not seen under ZeRO
-    yet, see docs/distributed.md.)"""
-    rank0, _ = _launch(workers.Case(stage, nan_at=(3, 1)), tmp_path)
+@pytest.mark.parametrize(("stage", "log_every"), [(2, 1), (3, 1), (2, 4), (3, 4)])
+def test_a_nan_made_in_one_layer_on_one_rank_is_named(
+    tmp_path: Path, stage: int, log_every: int
+) -> None:
+    """Layer 2's gradient made NaN on rank 1 at step 3: the reduced gradient's NaN lies in
+    both ranks' partitions of it; gradtrack names the layer and the step — summarised in full
+    where step 3 is logged, or latched by each rank on its own (no collective) and combined in
+    the next logged step's one all-gather (``log_every=4``: step 4). DeepSpeed itself skips the
+    step (its norm is inf), so the NaN is gone by step 4."""
+    case = workers.Case(stage, nan_at=(3, 1), options={"log_every": log_every})
+    rank0, _ = _launch(case, tmp_path)
 
     events = [e for e in rank0["events"] if e.rule == "nonfinite"]
     assert events, [e.rule for e in rank0["events"]]
     first = events[0]
     assert (first.step, first.layer) == (3, "2"), first.message
     record = next(r for r in rank0["records"] if r.step == 3)
-    stats = record.layer_stats()
-    assert stats["2"].nan == 49 and stats["0"].nan == 0  # all of its 7 x 7 weights
     assert math.isnan(record.total_norm)
+    norms = dict(zip(record.layers, record.column("norm")))
+    assert math.isnan(norms["2"])
+    if log_every == 1:  # summarised in full: its elements counted
+        stats = record.layer_stats()
+        assert stats["2"].nan == 49 and stats["0"].nan == 0  # all of its 7 x 7 weights
+        assert math.isfinite(norms["0"])
+    else:  # latched: the norms, every layer's exact where every rank latched step 3
+        assert record.counted is False
+        assert [r.step for r in rank0["records"]] == [0, 3, 4]
+        # Both ranks hold a piece of layer 2, so both latched step 3: layer 0's norm is its
+        # full gradient's, combined from the two ranks' pieces.
+        expected = rank0["references"][3]["0"]["norm"]
+        assert norms["0"] == pytest.approx(expected, rel=1e-5)
+        ds_norm_4 = rank0["ds_norms"][4]
+        assert next(r for r in rank0["records"] if r.step == 4).total_norm == pytest.approx(
+            ds_norm_4, rel=1e-5
+        )

@@ -285,11 +285,13 @@ def test_tensor_parallel_alone_gives_the_full_gradients_statistics(tmp_path: Pat
 
     _assert_full_gradient_statistics(rank0, others)
     # No gradient travels: at watch, a key and a size per tensor and the rank's coordinate;
-    # per logged step 5 numbers per tensor and 2 flags (6 tensors, 215 elements), and on the
-    # histogram step (0) each rank's share of the samples, padded to the largest: rank 0's
-    # 53 owned elements (the plain norm's 12, down's replicated bias 5, its quarter of up's
-    # 84 and of down's weight 60), all drawn as the default sample exceeds the layers.
-    tensors, per_step = 6, 5 * 6 + 2
+    # per logged step 5 numbers per tensor, 2 flags and the latched bad step (its number and
+    # a norm per tensor) (6 tensors, 215 elements), and on the histogram step (0) each
+    # rank's share of the samples, padded to the largest: rank 0's 53 owned elements (the
+    # plain norm's 12, down's replicated bias 5, its quarter of up's 84 and of down's weight
+    # 60), all drawn as the default sample exceeds the layers.
+    tensors = 6
+    per_step = 5 * tensors + 2 + (1 + tensors)
     assert rank0["elements_sent"] == [2 * tensors + 1, per_step + 53, per_step, per_step]
 
 

@@ -189,7 +189,12 @@ class MeshReduction:
             samples = rows.new_full((int(self.shares.sum(axis=1).max()),), float("nan"))
             if local.samples:
                 samples[self._index(mine, device)] = torch.cat(local.samples).double()
-        gathered = self.ranks.all_gather(torch.cat([full.reshape(-1), flags, samples]))
+        # The first bad step each rank latched since the last logged step (-1: none), with
+        # its local pieces' norms: rank 0 combines them (`_combined_latch`).
+        latch = rows.new_full((1 + n,), -1.0)
+        if local.evidence.latch is not None:
+            latch.copy_(local.evidence.latch[: 1 + n].to(device, torch.float64))
+        gathered = self.ranks.all_gather(torch.cat([full.reshape(-1), flags, latch, samples]))
         if self.ranks.rank != 0:
             return local
         return self._combine(gathered, local)
@@ -206,15 +211,36 @@ class MeshReduction:
         combined[:, LINF] = owned[:, :, LINF].amax(dim=0)  # NaN anywhere stays NaN
         n_flags = len(RANK_FLAGS)
         rank_flags = gathered[:, n * width : n * width + n_flags].reshape(-1)
+        latch_at = n * width + n_flags
+        latches = gathered[:, latch_at : latch_at + 1 + n]
         samples, sample_counts = local.samples, local.sample_counts
         if sample_counts is not None:
             _, take = self._sample_slots(index)
-            drawn = gathered[:, n * width + n_flags :].reshape(-1)
+            drawn = gathered[:, latch_at + 1 + n :].reshape(-1)
             samples = [drawn[self._index(take, rows.device)].float()]
             sample_counts = self.shares.sum(axis=0)[index]
         on_device = self._index(index, rows.device)
         evidence = replace(local.evidence, rank_flags=rank_flags)
+        if local.evidence.latch is not None:
+            tail = local.evidence.latch[1 + n :].to(rows.device, torch.float64)
+            evidence.latch = torch.cat([self._combined_latch(latches), tail])
         return ShardStep(combined[on_device], index, samples, sample_counts, evidence)
+
+    def _combined_latch(self, latches: Tensor) -> Tensor:
+        """[1 + tensors]: the first step any rank latched, and each tensor's norm at it where
+        every rank owning a piece of it latched that step too (-1 where that is not known:
+        a rank whose pieces were finite then latched nothing), or where a latching rank's piece
+        was non-finite (NaN or Inf anywhere is the tensor's). On the device, no host read."""
+        steps, norms = latches[:, 0], latches[:, 1:]
+        owner = self.owner.to(latches.device)
+        first = torch.where(steps >= 0, steps, torch.inf).amin()
+        at = (steps == first)[:, None]  # [world, 1]: the ranks that latched the first step
+        counted = owner & at & (norms != -1.0)
+        squares = torch.where(counted, norms.square(), 0.0).sum(dim=0)
+        complete = ~(owner & ~at).any(dim=0)
+        known = counted.any(dim=0) & (complete | ~torch.isfinite(squares))
+        step = torch.where(torch.isfinite(first), first, -1.0).reshape(1)
+        return torch.cat([step, torch.where(known, squares.sqrt(), -1.0)])
 
     def _sample_slots(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where the samples of the tensors in ``index`` travel: this rank's, in ``index``

@@ -114,6 +114,12 @@ class StepCollector:
             return None
         try:
             latch, flight = read_latch(), self.flight
+            if latch is not None and self.ranks is not None and self.ranks.layout == "sharded":
+                # Rank 0's own pieces only (no collective at close): what it knows for sure
+                # is which tensors went non-finite, not the others' full norms.
+                n = len(self.collector.params)
+                norms = latch[1 : 1 + n]
+                latch[1 : 1 + n] = np.where(np.isfinite(norms), -1.0, norms)
             ending = None if outcome == "FINISHED" else outcome
             if latch is None and (ending is None or flight is None):
                 return None

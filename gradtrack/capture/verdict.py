@@ -212,8 +212,8 @@ class StepJudge:
     ) -> Verdict | None:
         """The verdict where it is known without waiting for a device (or a raise or skip
         rule pays one read per step); None: latch it instead."""
-        if not self.every_step:
-            return UNKNOWN
+        if not self.every_step:  # each rank sees its pieces: latched, combined when logged
+            return None
         cpu = all(part.device.type == "cpu" for part in guard.devices)
         if not self.reads_every_verdict and (self.reads_host is False or not cpu):
             return None
