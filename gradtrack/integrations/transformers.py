@@ -11,7 +11,8 @@ that completes it (the last micro-batch of gradient accumulation): the gradients
 produced, *before* the Trainer clips them (it clips at ``max_grad_norm=1.0`` by default, and a
 clipped gradient never looks like it exploded). The Trainer's optimizer is watched too (update
 ratios, the learning-rate rule, ``action="skip"``): the one inside Accelerate's wrapper, which
-steps once per Trainer step. Under fp16 mixed precision with a GradScaler
+steps once per Trainer step. With ``deepspeed=`` the record is taken at DeepSpeed's optimizer
+step (before it clips), of the gradient that step applies (ZeRO's partitions included). Under fp16 mixed precision with a GradScaler
 the record is taken at ``scaler.update()`` instead, where gradients are unscaled — and clipped.
 Layer names are the model's module names (``transformer.h.0.attn.c_attn``). Without
 ``backend`` the sinks follow ``TrainingArguments.report_to``: ``"wandb"`` → the Trainer's W&B
@@ -63,12 +64,15 @@ class GradtrackCallback(CallbackOptions, TrainerCallback):
         if model is None:
             raise GradtrackError("the Trainer gave GradtrackCallback no model")
         scaler = scaler_of(optimizer)
+        deepspeed = getattr(args, "deepspeed_plugin", None) is not None
         self._open(
             model,
             default_backend=lambda: _sinks_of(args, self.config),
             optimizer=optimizer,  # (the watcher hooks the one inside Accelerate's wrapper)
             scaler=scaler,
-            steps="auto" if scaler is not None else _last_micro_batch(),
+            # A GradScaler's update, or DeepSpeed's step (its engine reduces the gradients
+            # after backward: they are complete only when its optimizer steps).
+            steps="auto" if scaler is not None or deepspeed else _last_micro_batch(),
             # The Trainer counts a step once its optimizer has stepped (global_step 1 is the
             # first update) and logs it under that number; gradtrack's step ends before it.
             first_step=state.global_step + 1,

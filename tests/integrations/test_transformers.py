@@ -354,3 +354,31 @@ def test_trainer_ddp_under_torchrun_rank0_writes_synchronized_gradients(tmp_path
         for layer, stats in expected.items():
             assert record.layer_stats()[layer].norm == pytest.approx(stats["norm"], rel=1e-6)
     assert ranks[0]["seen"] == ranks[1]["seen"]  # the all-reduced gradient, same on both
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_with_deepspeed_zero_writes_the_gradient_deepspeed_applies(
+    tmp_path: Path, stage: int
+) -> None:
+    """``TrainingArguments(deepspeed=...)`` on 2 CPU processes, the callback as it is: one
+    record per optimizer step at the Trainer's global steps, whose total is the ``grad_norm``
+    the Trainer logs (DeepSpeed's global norm of the reduced gradient, before it clips)."""
+    pytest.importorskip("deepspeed")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), str(Path(__file__).with_name("hf_deepspeed.py")),
+         str(tmp_path), str(stage)],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+
+    assert [rank["n_sinks"] for rank in ranks] == [1, 0]
+    records = ranks[0]["records"]
+    logged = ranks[0]["grad_norms"]
+    assert [r.step for r in records] == [step for step, _ in logged] == list(range(1, STEPS + 1))
+    assert [r.total_norm for r in records] == pytest.approx([n for _, n in logged], rel=1e-5)
+    assert max(n for _, n in logged) > 1.0  # a step above max_grad_norm: seen before clipping
