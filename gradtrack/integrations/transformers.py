@@ -12,8 +12,9 @@ produced, *before* the Trainer clips them (it clips at ``max_grad_norm=1.0`` by 
 clipped gradient never looks like it exploded). The Trainer's optimizer is watched too (update
 ratios, the learning-rate rule, ``action="skip"``): the one inside Accelerate's wrapper, which
 steps once per Trainer step. With ``deepspeed=`` the record is taken at DeepSpeed's optimizer
-step (before it clips), of the gradient that step applies (ZeRO's partitions included). Under fp16 mixed precision with a GradScaler
-the record is taken at ``scaler.update()`` instead, where gradients are unscaled — and clipped.
+step (before it clips), of the gradient that step applies (ZeRO's partitions included). Under
+fp16 mixed precision with a GradScaler the record is taken at ``scaler.update()`` instead,
+where gradients are unscaled — and clipped.
 Layer names are the model's module names (``transformer.h.0.attn.c_attn``). Without
 ``backend`` the sinks follow ``TrainingArguments.report_to``: ``"wandb"`` → the Trainer's W&B
 run, ``"mlflow"`` → its MLflow run, ``"tensorboard"`` → the Trainer's TensorBoard log dir
