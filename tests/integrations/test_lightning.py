@@ -247,7 +247,7 @@ def test_the_trainers_optimizer_gives_update_ratios_and_the_learning_rate_rule(
     assert not any("optimizer=" in m for m in messages)
 
 
-def test_a_skip_rule_leaves_out_lightnings_optimizer_step() -> None:
+def test_a_skip_rule_leaves_out_lightnings_optimizer_step(tmp_path: Path) -> None:
     """``action="skip"`` on the Lightning route: the optimizer's step (given Lightning's
     closure, which makes the gradients) is left out where the rule trips, and the weights
     stay as they were; the other steps update them."""
@@ -264,8 +264,8 @@ def test_a_skip_rule_leaves_out_lightnings_optimizer_step() -> None:
     rules = {"exploding": {"threshold": 1e-9, "action": "skip"}, "spike": {"enabled": False}}
     model = Recorded()
     before = model.body[0].weight.detach().clone()
-    callback = GradtrackCallback(sink, log_every=1, histograms=False, alerts=rules,
-                                 skip={"max_consecutive": 3})  # fmt: skip
+    skip = {"max_consecutive": 3, "journal": tmp_path / "j.json"}
+    callback = GradtrackCallback(sink, log_every=1, histograms=False, alerts=rules, skip=skip)
     torch.manual_seed(0)
     with pytest.raises(Exception, match="consecutive"):
         Trainer(

@@ -180,7 +180,8 @@ def test_a_skip_rule_leaves_out_the_trainers_optimizer_step(tmp_path: Path) -> N
     sink = MemorySink()
     rules = {"exploding": {"threshold": 1e-9, "action": "skip"}, "spike": {"enabled": False}}
     callback = GradtrackCallback(sink, log_every=1, histograms=False, alerts=rules,
-                                 skip={"max_consecutive": STEPS + 1})  # fmt: skip
+                                 skip={"max_consecutive": STEPS + 1,
+                                       "journal": tmp_path / "j.json"})  # fmt: skip
     torch.manual_seed(0)
     before = {k: v.clone() for k, v in GPT2LMHeadModel(
         GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2)
