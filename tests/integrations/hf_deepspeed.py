@@ -70,3 +70,8 @@ def main(out: Path, stage: int) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), int(sys.argv[2]))
+    # The results are on disk; DeepSpeed's CPU communication has been seen to abort in its
+    # C++ destructors at interpreter exit on a loaded machine: leave without them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
