@@ -7,9 +7,11 @@ reads a value back, so on an accelerator neither waits for the device.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -35,6 +37,9 @@ from gradtrack.formats.histogram import split_in_proportion
 from gradtrack.handoff.evidence import EvidenceLayout, StepEvidence
 from gradtrack.handoff.layout import HostPart, TensorIndex
 
+_LAYOUT = operator.attrgetter("layout")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
 
 @dataclass
 class DeviceGrads:
@@ -53,6 +58,25 @@ class GroupPlan(NamedTuple):
 
     indices: list[int]
     simple: bool
+
+
+class DevicePlan(NamedTuple):
+    """One device's groups in a layout, with what every step would otherwise recompute:
+    each group's rows and the rows' tensor indices."""
+
+    device: torch.device
+    groups: list[GroupPlan]
+    slices: list[slice]
+    tensors: np.ndarray  # for each row: the tensor's index in `Collector.params`
+
+    @classmethod
+    def of(cls, device: torch.device, groups: list[GroupPlan]) -> DevicePlan:
+        slices, start = [], 0
+        for indices, _ in groups:
+            slices.append(slice(start, start + len(indices)))
+            start += len(indices)
+        index = np.concatenate([np.asarray(g.indices, dtype=np.int64) for g in groups])
+        return cls(device, groups, slices, index)
 
 
 @dataclass
@@ -113,9 +137,7 @@ class Collector:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
         self._placeholders: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        self._plans: dict[
-            tuple[torch.layout | None, ...], list[tuple[torch.device, list[GroupPlan]]]
-        ] = {}
+        self._plans: dict[tuple[tuple[object, ...], tuple[bool, ...]], list[DevicePlan]] = {}
         self.host_transfers = 0
         # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
         # device without a sync: what accelerators need. None: on every device but the CPU.
@@ -135,23 +157,28 @@ class Collector:
                 [p.grad for p in self.params] if self.partitions is None else self.partitions()
             )
             grads: list[Tensor] = found  # type: ignore[assignment]
-            key = tuple(
-                None if g is None or not p.requires_grad else g.layout
-                for p, g in zip(self.params, grads)
-            )
+            # The layout: which gradients are present, how each is laid out, which params
+            # still require one (C-level passes where every gradient is there: the usual).
+            if any(map(operator.is_, grads, repeat(None))):
+                layouts = tuple(None if g is None else g.layout for g in grads)
+            else:
+                layouts = tuple(map(_LAYOUT, grads))
+            key = (layouts, tuple(map(_REQUIRES_GRAD, self.params)))
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plans[key] = self._plan(grads)
             parts = []
-            for device, groups in plan:
+            for device_plan in plan:
                 present = [
-                    (indices, [grads[i] if simple else self._usable(grads[i]) for i in indices])
-                    for indices, simple in groups
+                    [grads[i] for i in indices]
+                    if simple
+                    else [self._usable(grads[i]) for i in indices]
+                    for indices, simple in device_plan.groups
                 ]
-                parts.append(self._device_grads(device, present, exact))
+                parts.append(self._device_grads(device_plan, present, exact))
             return Guard(parts, exact)
 
-    def _plan(self, grads: list[Tensor]) -> list[tuple[torch.device, list[GroupPlan]]]:
+    def _plan(self, grads: list[Tensor]) -> list[DevicePlan]:
         """How this layout of present gradients groups: per device, per dtype, the tensors'
         indices and whether each is used as it is (the common dense case)."""
         if len(self._plans) > 64:  # layouts that keep changing: keep the cache small
@@ -171,7 +198,7 @@ class Collector:
         by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
         for (device, _), (indices, simples) in groups.items():
             by_device[device].append(GroupPlan(indices, all(simples)))
-        return list(by_device.items())
+        return [DevicePlan.of(device, device_groups) for device, device_groups in by_device.items()]
 
     def _usable(self, grad: Tensor) -> Tensor:
         """The dense, real, non-empty tensor whose statistics are the gradient's."""
@@ -186,19 +213,16 @@ class Collector:
         return grad
 
     def _device_grads(
-        self, device: torch.device, groups: list[tuple[list[int], list[Tensor]]], exact: bool
+        self, plan: DevicePlan, groups: list[list[Tensor]], exact: bool
     ) -> DeviceGrads:
+        device = plan.device
         foreach_only = device.type != "cpu" if self.foreach_only is None else self.foreach_only
-        slices, start = [], 0
-        for indices, _ in groups:
-            slices.append(slice(start, start + len(indices)))
-            start += len(indices)
-        norms = [l2_norms(grads, on_host=not foreach_only, exact=exact) for _, grads in groups]
+        norms = [l2_norms(grads, on_host=not foreach_only, exact=exact) for grads in groups]
         return DeviceGrads(
             device,
             foreach_only,
-            np.concatenate([np.asarray(indices, dtype=np.int64) for indices, _ in groups]),
-            [(rows, grads) for rows, (_, grads) in zip(slices, groups)],
+            plan.tensors,
+            list(zip(plan.slices, groups)),
             torch.cat(norms) if len(norms) > 1 else norms[0],
         )
 

@@ -115,17 +115,19 @@ class NormWindow:
     def _step(self, xp: Any, norms: Any, state: dict[str, Any]) -> Any:
         """The window's arithmetic, written once for ``xp`` = numpy or torch."""
         sums, rows = state["sums"], state["rows"]
+        # (numpy's clip is ~10x its maximum; torch's maximum wants a tensor)
+        at_least: Any = np.maximum if xp is np else torch.clamp_min
         x = xp.log10(norms)
         present = xp.isfinite(x)  # an absent layer (norm 0) or a non-finite step: skipped
         count = sums[2]
-        mean = sums[0] / count.clip(min=1)
-        spread = (sums[1] / count.clip(min=1) - mean * mean).clip(min=0)
-        std = xp.sqrt(spread).clip(min=_MIN_STD_DECADES)
+        mean = sums[0] / at_least(count, 1)
+        spread = at_least(sums[1] / at_least(count, 1) - mean * mean, 0)
+        std = at_least(xp.sqrt(spread), _MIN_STD_DECADES)
         z = (x - mean) / std
         spiking = present & state["enabled"] & (count >= self.warmup)
         spiking &= (z > state["z"]) & (x - mean > state["log_ratio"])
         taken = xp.where(spiking, mean + state["z"] * std, x)
-        row = xp.where(present, xp.stack([taken, taken * taken, x * 0 + 1]), 0.0)
+        row = xp.where(present, xp.stack([taken, taken * taken, xp.ones_like(x)]), 0.0)
         slot = self._position % self.window
         self._position += 1
         sums += row - rows[slot]
