@@ -11,13 +11,15 @@ does not. Two models, trained with SGD and ``optimizer=`` given:
 - ``tiny300``: 300 × (Linear(8, 8), Tanh), batch 16 — launch-bound: many small ops per step.
 
 Each variant runs in a fresh process of its own (so that no variant's threads or hooks run
-during another's steps), the variants interleaved round by round so the machine's noise falls
-on all alike. A process trains a warm-up, then ``--steps`` steps timed in chunks of 100; its
-figure is the median chunk's time per step (a chunk holds ten logged steps at the defaults,
-so their cost is in it). The table gives, per variant, the median over rounds of that time as
-a ratio to no monitoring, and the base in ms. ``close`` is the time ``close()`` took at the
-end (delivery of what was still on its way), and ``stored`` the steps the tracker holds after
-it (read back from MLflow's store), where a tracker is written.
+during another's steps), the variants in turn round by round. In its process the variant's
+model trains beside an unwatched copy of itself, in alternating chunks of 100 steps (a chunk
+holds ten logged steps at the defaults, so their cost is in it); a process's figure is the
+median over chunk pairs of variant ÷ base, so that the machine's noise, which moves a whole
+process by tens of percent here, falls on both. The table gives the median over rounds of
+those ratios, each round's, and the variant's median ms per step. Work the worker leaves
+for later (a batched MLflow request) may fall in either chunk of a pair. ``close`` is the
+time ``close()`` took at the end (delivery of what was still on its way), and ``stored`` the
+steps MLflow's store holds after it.
 
 Variants: ``none``; ``floor`` (one foreach L2 pass every step, a host copy every 10th: the
 cheapest look at every gradient); ``hf`` (Hugging Face's way: ``clip_grad_norm_`` every step,
@@ -32,6 +34,7 @@ its norms, spike window and flight recorder — memory sink);
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -115,70 +118,78 @@ def _stored_steps(variant: str, work: Path) -> int | None:
     return len(client.get_metric_history(runs[0].info.run_id, "grad/total_norm"))
 
 
-def _train(
-    variant: str, model: nn.Module, optimizer: Any, batch: tuple[Any, Any], steps: int
-) -> list[float]:
-    """Train ``WARMUP + steps`` steps; the time per step of each timed chunk."""
-    params = list(model.parameters())
-    x, y = batch
-    chunks: list[float] = []
-    start = time.perf_counter()
-    for i in range(WARMUP + steps):
-        if i >= WARMUP and (i - WARMUP) % CHUNK == 0:
-            start = time.perf_counter()
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if variant == "floor":
-            norms = torch._foreach_norm([p.grad for p in params])  # type: ignore[misc]
-            if i % 10 == 0:
-                torch.stack(norms).cpu()
-        elif variant == "hf":
-            norm = nn.utils.clip_grad_norm_(params, 1e9)
-            if i % 10 == 0:
-                norm.item()
-        optimizer.step()
-        if i >= WARMUP and (i - WARMUP) % CHUNK == CHUNK - 1:
-            chunks.append((time.perf_counter() - start) / CHUNK)
-    return chunks
+class Loop:
+    """One model's training loop, run a chunk at a time."""
+
+    def __init__(self, variant: str, model: nn.Module, batch: tuple[Any, Any]) -> None:
+        self.variant, self.model, self.batch = variant, model, batch
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        self.params = list(model.parameters())
+        self.step = 0
+
+    def run(self, steps: int) -> float:
+        """Train ``steps`` steps; the time per step."""
+        x, y = self.batch
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.optimizer.zero_grad()
+            loss = nn.functional.mse_loss(self.model(x), y)
+            loss.backward()
+            if self.variant == "floor":
+                norms = torch._foreach_norm([p.grad for p in self.params])  # type: ignore[misc]
+                if self.step % 10 == 0:
+                    torch.stack(norms).cpu()
+            elif self.variant == "hf":
+                norm = nn.utils.clip_grad_norm_(self.params, 1e9)
+                if self.step % 10 == 0:
+                    norm.item()
+            self.optimizer.step()
+            self.step += 1
+        return (time.perf_counter() - start) / steps
 
 
 def child(model_name: str, variant: str, steps: int, threads: int) -> dict[str, Any]:
-    """One variant's run, in this process: the same model unwatched for half the steps
-    (this process's own base: processes differ by up to ±30 % on this machine), the variant,
-    its ``close()``, and unwatched again for the other half (the machine's drift cancels);
-    the median chunk of base and variant, the time ``close()`` took, and what the tracker
-    stored."""
+    """One variant's run, in this process, beside an unwatched copy of the same model (this
+    process's own base: processes differ by tens of percent on this machine): chunks of
+    ``CHUNK`` steps alternate between the two (in turn first), and each pair's ratio is
+    taken, so the machine's drift falls on both. The median ratio, the variant's median
+    chunk, the time its ``close()`` took, and what its tracker stored."""
     import logging
 
     logging.getLogger("gradtrack").setLevel(logging.ERROR)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = make_model(model_name)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     width = 32 if model_name == "tight" else 8
     batch = (torch.randn(16, width), torch.randn(16, 4 if model_name == "tight" else 8))
+    base = Loop("none", copy.deepcopy(model), batch)
+    watched = Loop(variant, model, batch)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         os.chdir(work)
-        base = _train("none", model, optimizer, batch, steps // 2)
-        watcher = _watch(variant, model, optimizer, work)
-        chunks = _train(variant, model, optimizer, batch, steps)
+        watcher = _watch(variant, model, watched.optimizer, work)
+        base.run(WARMUP)
+        watched.run(WARMUP)
+        ratios, times = [], []
+        for pair in range(max(1, steps // CHUNK)):
+            if pair % 2:
+                variant_s, base_s = watched.run(CHUNK), base.run(CHUNK)
+            else:
+                base_s, variant_s = base.run(CHUNK), watched.run(CHUNK)
+            ratios.append(variant_s / base_s)
+            times.append(variant_s)
         start = time.perf_counter()
         if watcher is not None:
             watcher.close()
         if variant in ("defaults_wandb", "wandb_watch"):
             import wandb
 
-            if variant == "wandb_watch":
-                wandb.unwatch(model)
             wandb.finish()
         closing = time.perf_counter() - start
-        base += _train("none", model, optimizer, batch, steps // 2)  # (drift cancels)
         stored = _stored_steps(variant, work)
     return {
-        "step_s": statistics.median(chunks),
-        "base_s": statistics.median(base),
+        "ratio": statistics.median(ratios),
+        "step_s": statistics.median(times),
         "close_s": closing,
         "stored": stored,
     }
@@ -213,13 +224,13 @@ def main() -> None:
         for _ in range(args.rounds):
             for variant in variants:
                 results[variant].append(run_child(model, variant, args.steps, args.threads))
-        base = statistics.median(r["base_s"] for r in results["none"])
+        base = statistics.median(r["step_s"] for r in results["none"])
         print(f"\n{model}: no monitoring {base * 1e3:.3f} ms/step, {args.rounds} rounds")
         print("| variant | ratio (median) | per round | ms/step | close s | stored |")
         print("| --- | --- | --- | --- | --- | --- |")
         for variant in variants:
             times = [r["step_s"] for r in results[variant]]
-            ratios = [r["step_s"] / r["base_s"] for r in results[variant]]  # its own base
+            ratios = [r["ratio"] for r in results[variant]]
             rounds = " ".join(f"{r:.2f}" for r in ratios)
             closes = max(r["close_s"] for r in results[variant])
             stored = results[variant][-1]["stored"]
