@@ -154,6 +154,57 @@ def test_unlogged_steps_take_the_plain_pass_and_logged_steps_the_exact_one() -> 
     assert float(plain.devices[0].l2[0]) == pytest.approx(expected, rel=1e-3)
 
 
+def tiny_layers(n: int = 40) -> nn.Sequential:
+    """Many small fp32 tensors (2n), the case the plain pass packs into one."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+
+
+def test_many_small_tensors_plain_pass_is_packed_and_matches_the_exact_norms() -> None:
+    model = tiny_layers()
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    model[5].weight.grad[0, 0] = 3e-30  # fp32 squares would underflow here; fp64 ones do not
+    model[6].weight.grad.fill_(0.0)
+    model[6].weight.grad[1, 1] = 2e-25
+    model[7].bias.grad.fill_(1e30)  # ... and overflow here
+    with gradtrack.watch(model, backend=MemorySink()) as watcher:
+        collector = watcher.collector
+        exact, plain = collector.guard(exact=True), collector.guard(exact=False)
+        (plan,) = collector._plans.values()
+    assert plan[0].groups[0].offsets is not None  # (the packed pass was taken)
+    expected = [float(p.grad.double().norm()) for p in collector.params]
+    np.testing.assert_allclose(exact.devices[0].l2.numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(plain.devices[0].l2.numpy(), expected, rtol=1e-6)
+    assert plain.devices[0].l2[12] == pytest.approx(2e-25, rel=1e-6)  # layer 6's weight
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_step_among_many_small_tensors_is_caught_at_its_step(bad: float) -> None:
+    """Unlogged steps of a model of many small layers take the packed plain pass: a NaN or
+    an Inf in one element of one layer at step 3 (log_every=10) is named at step 3."""
+    model = tiny_layers()
+    sink = MemorySink()
+    poisoned = {"step": -1}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if poisoned["step"] == 3:
+            grad = grad.clone()
+            grad[2, 1] = bad
+        return grad
+
+    model[17].weight.register_hook(poison)
+    with gradtrack.watch(model, backend=sink):  # (a step per backward; weights untouched)
+        for step in range(12):
+            poisoned["step"] = step
+            model.zero_grad()
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+    assert [r.step for r in sink.records] == [0, 3, 10]
+    record = sink.records[1]
+    counts = dict(zip(record.layers, record.column("nan" if math.isnan(bad) else "inf")))
+    assert counts["17"] == 1 and sum(counts.values()) == 1
+    assert [e.step for e in only(sink.events, "nonfinite")] == [3]
+
+
 def test_a_bad_unlogged_step_is_summarised_with_exact_norms() -> None:
     """Step 3 is unlogged, so its guard took the plain pass; being bad, it is summarised,
     and the healthy large layer's norm must then be exact."""

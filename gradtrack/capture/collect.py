@@ -22,6 +22,8 @@ from gradtrack.capture.distributed import RankGroup, is_dtensor, local_tensor
 from gradtrack.capture.layers import Layer
 from gradtrack.capture.mesh import MeshReduction, ShardStep, check_placements
 from gradtrack.capture.stats import (
+    PACK_BELOW_ELEMENTS,
+    PACK_MIN_TENSORS,
     abs_norms,
     copy_to_host,
     fill_nonfinite_counts,
@@ -58,6 +60,9 @@ class GroupPlan(NamedTuple):
 
     indices: list[int]
     simple: bool
+    # Where the group is many small CPU tensors: each one's first element in their packed
+    # concatenation, for the guard's one packed pass (`gradtrack.capture.stats.l2_norms`).
+    offsets: np.ndarray | None = None
 
 
 class DevicePlan(NamedTuple):
@@ -72,7 +77,8 @@ class DevicePlan(NamedTuple):
     @classmethod
     def of(cls, device: torch.device, groups: list[GroupPlan]) -> DevicePlan:
         slices, start = [], 0
-        for indices, _ in groups:
+        for group in groups:
+            indices = group.indices
             slices.append(slice(start, start + len(indices)))
             start += len(indices)
         index = np.concatenate([np.asarray(g.indices, dtype=np.int64) for g in groups])
@@ -170,10 +176,10 @@ class Collector:
             parts = []
             for device_plan in plan:
                 present = [
-                    [grads[i] for i in indices]
-                    if simple
-                    else [self._usable(grads[i]) for i in indices]
-                    for indices, simple in device_plan.groups
+                    [grads[i] for i in group.indices]
+                    if group.simple
+                    else [self._usable(grads[i]) for i in group.indices]
+                    for group in device_plan.groups
                 ]
                 parts.append(self._device_grads(device_plan, present, exact))
             return Guard(parts, exact)
@@ -196,8 +202,9 @@ class Collector:
             indices.append(i)
             simples.append(simple)
         by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
-        for (device, _), (indices, simples) in groups.items():
-            by_device[device].append(GroupPlan(indices, all(simples)))
+        for (device, dtype), (indices, simples) in groups.items():
+            offsets = _packing([grads[i] for i in indices], device, dtype, all(simples))
+            by_device[device].append(GroupPlan(indices, all(simples), offsets))
         return [DevicePlan.of(device, device_groups) for device, device_groups in by_device.items()]
 
     def _usable(self, grad: Tensor) -> Tensor:
@@ -217,7 +224,10 @@ class Collector:
     ) -> DeviceGrads:
         device = plan.device
         foreach_only = device.type != "cpu" if self.foreach_only is None else self.foreach_only
-        norms = [l2_norms(grads, on_host=not foreach_only, exact=exact) for grads in groups]
+        norms = [
+            l2_norms(grads, on_host=not foreach_only, exact=exact, packed=group.offsets)
+            for group, grads in zip(plan.groups, groups)
+        ]
         return DeviceGrads(
             device,
             foreach_only,
@@ -348,6 +358,20 @@ class Collector:
         if key not in self._placeholders:
             self._placeholders[key] = torch.zeros(1, device=grad.device, dtype=grad.dtype)
         return self._placeholders[key]
+
+
+def _packing(
+    grads: list[Tensor], device: torch.device, dtype: torch.dtype, simple: bool
+) -> np.ndarray | None:
+    """A group's packing offsets, where its tensors are many small fp32 ones on the CPU (each
+    tensor's norm kernel then costs more than its elements: 600 tensors of 8-64 elements take
+    ~0.9 ms one by one, ~0.3 ms packed); None otherwise."""
+    if device.type != "cpu" or not simple or dtype != torch.float32:
+        return None
+    numels = [g.numel() for g in grads]
+    if len(numels) < PACK_MIN_TENSORS or max(numels) >= PACK_BELOW_ELEMENTS or min(numels) == 0:
+        return None
+    return np.concatenate([[0], np.cumsum(numels[:-1])]).astype(np.int64)
 
 
 def _combined_pieces(

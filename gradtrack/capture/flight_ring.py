@@ -41,6 +41,7 @@ class FlightRecorder:
         self.capacity = capacity
         self.n_layers = n_layers
         self._ring: Tensor | None = None
+        self._host: np.ndarray | None = None  # the ring's memory, where it is the CPU's
         self._written = 0  # slots written so far (the next one is ``_written % capacity``)
         self._handed = 0  # ... of which handed to the worker
 
@@ -73,7 +74,15 @@ class FlightRecorder:
                 (self.capacity, 1 + self.n_layers), -1.0, dtype=torch.float64,
                 device=norms.device,
             )  # fmt: skip
-        slot = self._ring[self._written % self.capacity]
+            self._host = self._ring.numpy() if self._ring.device.type == "cpu" else None
+        index = self._written % self.capacity
+        if hold is None and self._host is not None and norms.device.type == "cpu":
+            row = self._host[index]  # (CPU memory: two numpy writes, no kernel launches)
+            row[:] = norms.numpy()
+            row[0] = step
+            self._written += 1
+            return
+        slot = self._ring[index]
         if hold is None:
             slot.copy_(norms, non_blocking=True)
             slot[0].fill_(step)  # (the total's place)

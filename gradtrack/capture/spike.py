@@ -39,10 +39,14 @@ class LayerNorms:
         self.columns = 1 + n_layers
         self._tensor_layer = tensor_layer
         self._index = DeviceIndex()
+        self._rows: np.ndarray | None = None
+        self._columns = np.zeros(0, dtype=np.int64)
 
     def __call__(self, guard: Guard) -> Tensor:
         part = guard.devices[0]  # (a model spread over devices is judged on its first)
-        columns = self._tensor_layer[part.index] + 1
+        if part.index is not self._rows:  # (the layout's rows: the same array step after step)
+            self._rows, self._columns = part.index, self._tensor_layer[part.index] + 1
+        columns = self._columns
         if on_host(guard):
             l2 = part.l2.numpy()
             with np.errstate(over="ignore", invalid="ignore"):

@@ -45,6 +45,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype | None:
 # packed path costs per element, the foreach path per tensor. Measured over the benchmark
 # models, 2^12 was best or equal (quickstart CNN: 169 -> 120 us per step against 2^16).
 PACK_BELOW_ELEMENTS = 1 << 12
+# ... and packed only where there are this many: below it the per-tensor kernels cost less.
+PACK_MIN_TENSORS = 32
 # Temporaries of the on-device NaN/Inf count are made this many elements at a time, at most.
 _COUNT_CHUNK_ELEMENTS = 1 << 25
 
@@ -71,7 +73,9 @@ class DeviceIndex:
         return self._on_device[key]
 
 
-def l2_norms(grads: list[Tensor], on_host: bool, exact: bool = True) -> Tensor:
+def l2_norms(
+    grads: list[Tensor], on_host: bool, exact: bool = True, packed: np.ndarray | None = None
+) -> Tensor:
     """float64 [len(grads)]: each gradient's exact L2 norm (the guard's one pass).
 
     ``grads`` share one device and dtype, and none is empty. On accelerators (``on_host``
@@ -81,7 +85,9 @@ def l2_norms(grads: list[Tensor], on_host: bool, exact: bool = True) -> Tensor:
     fp64 (`_repair`), so a finite gradient always has a finite, non-zero-if-non-zero norm.
     NaN anywhere makes the norm NaN; ±Inf without NaN makes it Inf. Without ``exact`` the
     CPU takes one plain fp32 pass (the floor's cost; ~1e-4 relative at millions of
-    elements) and redoes only overflowed norms, so the finite verdict stays right.
+    elements) and redoes only overflowed norms, so the finite verdict stays right; many
+    small fp32 tensors (``packed``: their offsets in one concatenation) are then
+    summed in one packed pass instead, their squares in fp64 (`packed_l2_norms`).
 
     >>> l2_norms([torch.tensor([3.0, -4.0]), torch.full((10_000,), 1e18)], on_host=True)
     tensor([5.0000e+00, 1.0000e+20], dtype=torch.float64)
@@ -94,6 +100,8 @@ def l2_norms(grads: list[Tensor], on_host: bool, exact: bool = True) -> Tensor:
         norms = _cpu_norms(grads, 2)
         _repair(norms, grads, 2)
         return norms
+    if packed is not None:
+        return packed_l2_norms(grads, packed)
     accumulate = accumulation_dtype(grads[0].dtype)
     norms = torch.stack(torch._foreach_norm(grads, 2, dtype=accumulate)).double()
     overflowed = np.flatnonzero(np.isinf(norms.numpy()))
@@ -145,6 +153,20 @@ def packed_abs_norms(grads: list[Tensor]) -> tuple[Tensor, Tensor]:
     lengths = torch.tensor([g.numel() for g in grads], device=absolute.device)
     l1 = torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True)
     return l1, torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
+
+
+def packed_l2_norms(grads: list[Tensor], offsets: np.ndarray) -> Tensor:
+    """float64 L2 norms of many small fp32 CPU tensors in one pass: concatenated by one C++
+    call, squared in fp64 (no fp32 value overflows or underflows there) and summed by segment (``offsets``:
+    each tensor's first element in the concatenation, none empty).
+
+    >>> grads = [torch.tensor([3.0, -4.0]), torch.tensor([[1e-30]]), torch.tensor([1e30])]
+    >>> packed_l2_norms(grads, np.array([0, 2, 3]))
+    tensor([5.0000e+00, 1.0000e-30, 1.0000e+30], dtype=torch.float64)
+    """
+    values = _flatten_dense_tensors(grads).numpy()
+    squares = np.square(values, dtype=np.float64)
+    return torch.from_numpy(np.sqrt(np.add.reduceat(squares, offsets)))
 
 
 def stat_rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) -> Tensor:
