@@ -157,8 +157,8 @@ def packed_abs_norms(grads: list[Tensor]) -> tuple[Tensor, Tensor]:
 
 def packed_l2_norms(grads: list[Tensor], offsets: np.ndarray) -> Tensor:
     """float64 L2 norms of many small fp32 CPU tensors in one pass: concatenated by one C++
-    call, squared in fp64 (no fp32 value overflows or underflows there) and summed by segment (``offsets``:
-    each tensor's first element in the concatenation, none empty).
+    call, squared in fp64 (no fp32 value overflows or underflows there) and summed by
+    segment (``offsets``: each tensor's first element in the concatenation, none empty).
 
     >>> grads = [torch.tensor([3.0, -4.0]), torch.tensor([[1e-30]]), torch.tensor([1e30])]
     >>> packed_l2_norms(grads, np.array([0, 2, 3]))
