@@ -170,7 +170,7 @@ def test_many_small_tensors_plain_pass_is_packed_and_matches_the_exact_norms() -
     with gradtrack.watch(model, backend=MemorySink()) as watcher:
         collector = watcher.collector
         exact, plain = collector.guard(exact=True), collector.guard(exact=False)
-        (plan,) = collector._plans.values()
+        (plan,) = collector.layouts._plans.values()
     assert plan[0].groups[0].offsets is not None  # (the packed pass was taken)
     expected = [float(p.grad.double().norm()) for p in collector.params]
     np.testing.assert_allclose(exact.devices[0].l2.numpy(), expected, rtol=1e-6)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import NamedTuple
@@ -85,6 +85,56 @@ class DevicePlan(NamedTuple):
         return cls(device, groups, slices, index)
 
 
+class Layouts:
+    """The layouts a step's gradients come in — which are present, how each is laid out,
+    which parameters still require one — each grouped once per device and dtype (`_plan`),
+    so that a step pays a few C-level passes over its gradients to find its plan."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        usable: Callable[[Tensor], Tensor],
+        check: Callable[[int, Tensor], None],
+    ) -> None:
+        self._params = params
+        self._usable = usable  # the tensor whose statistics are a gradient's
+        self._check = check  # raises for a gradient laid out in a way gradtrack refuses
+        self._plans: dict[tuple[tuple[object, ...], tuple[bool, ...]], list[DevicePlan]] = {}
+
+    def plan(self, grads: list[Tensor]) -> list[DevicePlan]:
+        if any(map(operator.is_, grads, repeat(None))):
+            layouts = tuple(None if g is None else g.layout for g in grads)
+        else:  # (the usual case: every gradient is there)
+            layouts = tuple(map(_LAYOUT, grads))
+        key = (layouts, tuple(map(_REQUIRES_GRAD, self._params)))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(grads)
+        return plan
+
+    def _plan(self, grads: list[Tensor]) -> list[DevicePlan]:
+        """How this layout of present gradients groups: per device, per dtype, the tensors'
+        indices and whether each is used as it is (the common dense case)."""
+        if len(self._plans) > 64:  # layouts that keep changing: keep the cache small
+            self._plans.clear()
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[bool]]]
+        groups = defaultdict(lambda: ([], []))
+        for i, (param, grad) in enumerate(zip(self._params, grads)):
+            if grad is None or not param.requires_grad:
+                continue
+            self._check(i, grad)
+            usable = self._usable(grad)
+            simple = usable is grad
+            indices, simples = groups[(usable.device, usable.dtype)]
+            indices.append(i)
+            simples.append(simple)
+        by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
+        for (device, dtype), (indices, simples) in groups.items():
+            offsets = _packing([grads[i] for i in indices], device, dtype, all(simples))
+            by_device[device].append(GroupPlan(indices, all(simples), offsets))
+        return [DevicePlan.of(device, device_groups) for device, device_groups in by_device.items()]
+
+
 @dataclass
 class Guard:
     """What every step computes, logged or not: the present gradients and their L2 norms
@@ -143,7 +193,7 @@ class Collector:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
         self._placeholders: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        self._plans: dict[tuple[tuple[object, ...], tuple[bool, ...]], list[DevicePlan]] = {}
+        self.layouts = Layouts(self.params, self._usable, self._check_placements)
         self.host_transfers = 0
         # Kernels per step independent of the number of tensors, and NaN/Inf counted on the
         # device without a sync: what accelerators need. None: on every device but the CPU.
@@ -163,16 +213,7 @@ class Collector:
                 [p.grad for p in self.params] if self.partitions is None else self.partitions()
             )
             grads: list[Tensor] = found  # type: ignore[assignment]
-            # The layout: which gradients are present, how each is laid out, which params
-            # still require one (C-level passes where every gradient is there: the usual).
-            if any(map(operator.is_, grads, repeat(None))):
-                layouts = tuple(None if g is None else g.layout for g in grads)
-            else:
-                layouts = tuple(map(_LAYOUT, grads))
-            key = (layouts, tuple(map(_REQUIRES_GRAD, self.params)))
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plans[key] = self._plan(grads)
+            plan = self.layouts.plan(grads)
             parts = []
             for device_plan in plan:
                 present = [
@@ -184,28 +225,9 @@ class Collector:
                 parts.append(self._device_grads(device_plan, present, exact))
             return Guard(parts, exact)
 
-    def _plan(self, grads: list[Tensor]) -> list[DevicePlan]:
-        """How this layout of present gradients groups: per device, per dtype, the tensors'
-        indices and whether each is used as it is (the common dense case)."""
-        if len(self._plans) > 64:  # layouts that keep changing: keep the cache small
-            self._plans.clear()
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[bool]]]
-        groups = defaultdict(lambda: ([], []))
-        for i, (param, grad) in enumerate(zip(self.params, grads)):
-            if grad is None or not param.requires_grad:
-                continue
-            if self.mesh is not None and is_dtensor(grad):
-                check_placements(grad, self.index.layer_names[self.index.tensor_layer[i]])
-            usable = self._usable(grad)
-            simple = usable is grad
-            indices, simples = groups[(usable.device, usable.dtype)]
-            indices.append(i)
-            simples.append(simple)
-        by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
-        for (device, dtype), (indices, simples) in groups.items():
-            offsets = _packing([grads[i] for i in indices], device, dtype, all(simples))
-            by_device[device].append(GroupPlan(indices, all(simples), offsets))
-        return [DevicePlan.of(device, device_groups) for device, device_groups in by_device.items()]
+    def _check_placements(self, i: int, grad: Tensor) -> None:
+        if self.mesh is not None and is_dtensor(grad):
+            check_placements(grad, self.index.layer_names[self.index.tensor_layer[i]])
 
     def _usable(self, grad: Tensor) -> Tensor:
         """The dense, real, non-empty tensor whose statistics are the gradient's."""
