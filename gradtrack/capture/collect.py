@@ -78,11 +78,10 @@ class DevicePlan(NamedTuple):
     def of(cls, device: torch.device, groups: list[GroupPlan]) -> DevicePlan:
         slices, start = [], 0
         for group in groups:
-            indices = group.indices
-            slices.append(slice(start, start + len(indices)))
-            start += len(indices)
-        index = np.concatenate([np.asarray(g.indices, dtype=np.int64) for g in groups])
-        return cls(device, groups, slices, index)
+            slices.append(slice(start, start + len(group.indices)))
+            start += len(group.indices)
+        tensors = np.concatenate([np.asarray(g.indices, dtype=np.int64) for g in groups])
+        return cls(device, groups, slices, tensors)
 
 
 class Layouts:

@@ -24,6 +24,7 @@ from gradtrack.capture.spike import on_host
 from gradtrack.capture.step_rules import StepRules, Trip
 from gradtrack.capture.step_signals import Signals
 from gradtrack.errors import GradientAlertError
+from gradtrack.handoff.layout import spike_fields
 
 OnError = Callable[[int, Exception], None]
 
@@ -232,8 +233,7 @@ class StepJudge:
             finite = bool(read[: len(flags)].all())
             layer_norms = read[len(flags) : len(flags) + len(norms)]
             spike_host = None if spike is None else read[len(flags) + len(norms) :]
-        # (the vector's last third: its spiking flags, see `NormWindow.update`)
-        spiking = spike_host is not None and bool(spike_host[len(spike_host) * 2 // 3 :].any())
+        spiking = spike_host is not None and bool(spike_fields(spike_host)["spiking"].any())
         skips = self.signals.skips
         skip = None if skips is None else skips.decide(finite, layer_norms, spike_host)
         trip = self.raises.find(finite, layer_norms, spike_host) if self.raises else None

@@ -111,7 +111,8 @@ def spike_fields(vector: np.ndarray) -> dict[str, Any]:
     >>> fields["spike_z"].tolist(), fields["spiking"].tolist()
     ([1.0, 9.0], [False, True])
     """
-    z, typical, spiking = np.split(vector, 3)
+    n = len(vector) // 3  # (slices: np.split costs ~5 µs, and the guard reads this per step)
+    z, typical, spiking = vector[:n], vector[n : 2 * n], vector[2 * n :]
     return {"spike_z": z, "spike_typical": typical, "spiking": spiking > 0}
 
 
