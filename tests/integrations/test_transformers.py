@@ -333,19 +333,24 @@ def test_a_resumed_run_continues_the_trainers_step_axis(tmp_path: Path) -> None:
     assert [r.step for r in sink.records] == [3, 4]  # the global steps after checkpoint-2
 
 
-@pytest.mark.slow
-def test_trainer_ddp_under_torchrun_rank0_writes_synchronized_gradients(tmp_path: Path) -> None:
+def _two_ranks(script: str, out: Path, *args: str, **env: str) -> list[dict[str, Any]]:
+    """Run ``script`` (beside this file) on 2 processes under torch's launcher, with ``out``
+    and ``args``; each rank's pickled results."""
     root = Path(__file__).resolve().parents[2]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    port = str(free_port())
     result = subprocess.run(
-        [str(torchrun), "--nproc_per_node", "2", "--master_port", port,
-         str(Path(__file__).with_name("hf_ddp.py")), str(tmp_path)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root)},
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), str(Path(__file__).with_name(script)), str(out),
+         *args],
+        cwd=out, env={**os.environ, "PYTHONPATH": str(root), **env},
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_trainer_ddp_under_torchrun_rank0_writes_synchronized_gradients(tmp_path: Path) -> None:
+    ranks = _two_ranks("hf_ddp.py", tmp_path)
 
     assert [rank["n_sinks"] for rank in ranks] == [1, 0]
     records = ranks[0]["records"]
@@ -366,16 +371,7 @@ def test_trainer_with_deepspeed_zero_writes_the_gradient_deepspeed_applies(
     record per optimizer step at the Trainer's global steps, whose total is the ``grad_norm``
     the Trainer logs (DeepSpeed's global norm of the reduced gradient, before it clips)."""
     pytest.importorskip("deepspeed")
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(free_port()), str(Path(__file__).with_name("hf_deepspeed.py")),
-         str(tmp_path), str(stage)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu"},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+    ranks = _two_ranks("hf_deepspeed.py", tmp_path, str(stage), DS_ACCELERATOR="cpu")
 
     assert [rank["n_sinks"] for rank in ranks] == [1, 0]
     records = ranks[0]["records"]
