@@ -105,33 +105,41 @@ def test_benchmark_models_train_100_steps_without_a_spike_alarm(name: str) -> No
     assert [e for e in sink.events if e.rule == "spike"] == []
 
 
+@pytest.mark.parametrize("refresh", [1, 5, 8], ids=["every_step", "wrapping", "refreshed"])
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-def test_window_statistics_match_a_reference_over_the_last_steps(host: bool) -> None:
+def test_window_statistics_match_a_reference_over_the_last_steps(host: bool, refresh: int) -> None:
     """z, the typical norm and the flags against a straightforward numpy computation over
-    the window's accepted values (absent and non-finite norms are not accepted)."""
+    the window's accepted values (absent and non-finite norms are not accepted): step s is
+    judged on the last 16 steps before its window's last refresh, ``s // refresh * refresh``
+    (with ``refresh`` 1, the 16 steps just before it)."""
     rng = np.random.default_rng(0)
     series = np.exp(rng.normal(0.0, 0.1, size=(40, 2)))
     series[30, 1] *= 300.0  # a spike in layer 0's column
     series[20, 1] = 0.0  # layer 0 without a gradient
     series[25] = np.nan  # a non-finite step
-    window = NormWindow(1, window=16, warmup=8, z=[6.0, 6.0], ratio=[3.0, 3.0], enabled=[1, 1])
-    slots: list[list[float]] = [[], []]  # per column, the window's last 16 steps (NaN: none)
+    window = NormWindow(
+        1, window=16, warmup=8, z=[6.0, 6.0], ratio=[3.0, 3.0], enabled=[1, 1], refresh=refresh
+    )
+    accepted: list[list[float]] = [[], []]  # per column and step, the value it entered with
     for step, norms in enumerate(series):
         fields = spike_fields(window.update(torch.tensor(norms), host=host).numpy())
+        seen = step // refresh * refresh  # the steps before the last refresh
         for column in range(2):
-            past = np.array([v for v in slots[column][-16:] if math.isfinite(v)])
+            past = [v for v in accepted[column][max(0, seen - 16) : seen] if math.isfinite(v)]
             log = math.log10(norms[column]) if norms[column] > 0 else math.nan
             spiked = False
-            if len(past) and math.isfinite(log):
-                mean, std = past.mean(), max(past.std(), 1e-3)
+            if past and math.isfinite(log):
+                mean, std = np.mean(past), max(np.std(past), 1e-3)
                 z = (log - mean) / std
                 assert fields["spike_z"][column] == pytest.approx(z, rel=1e-9)
                 assert fields["spike_typical"][column] == pytest.approx(10**mean, rel=1e-9)
                 spiked = len(past) >= 8 and z > 6.0 and log - mean > math.log10(3)
                 log = mean + 6.0 * std if spiked else log  # a spike enters clipped
+            else:
+                assert math.isnan(fields["spike_z"][column])
             assert bool(fields["spiking"][column]) == spiked, (step, column)
             assert spiked == (step == 30 and column == 1)
-            slots[column].append(log)
+            accepted[column].append(log)
 
 
 def test_window_and_warmup_are_refused_as_layer_overrides() -> None:

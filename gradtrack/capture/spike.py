@@ -59,6 +59,11 @@ class LayerNorms:
         return squares.sqrt()
 
 
+# Steps whose norms wait before they enter the window (see `NormWindow`): the window's
+# arithmetic, ~25 operations, then runs once per this many steps instead of every step.
+REFRESH = 8
+
+
 class NormWindow:
     """Running mean and variance of log10 norms over the last ``window`` steps, per column:
     column 0 the total norm, column ``1 + i`` layer ``i``.
@@ -69,6 +74,11 @@ class NormWindow:
     steps are in its window. A spiking value enters the window clipped to the threshold, so
     one spike barely moves the statistics while a lasting change of regime is taken in over
     time. Absent (zero) and non-finite norms do not enter it.
+
+    The statistics are refreshed every ``refresh`` steps: a step is judged against the window
+    of ``window`` steps that ended at the last refresh (at most ``refresh - 1`` steps before
+    it), so that a step pays ~10 operations — its z-scores and one comparison with the
+    thresholds — and the window's update runs once per ``refresh`` steps, for all of them.
     """
 
     def __init__(
@@ -79,15 +89,18 @@ class NormWindow:
         z: Sequence[float],
         ratio: Sequence[float],
         enabled: Sequence[bool],
+        refresh: int = REFRESH,
     ) -> None:
         self.columns = 1 + n_layers
         self.size = 3 * self.columns
         self.window = window
         self.warmup = warmup
+        self.refresh = max(1, min(refresh, window))
         self._z = np.asarray(z, dtype=np.float64)
         self._log_ratio = np.log10(np.asarray(ratio, dtype=np.float64))
         self._enabled = np.asarray(enabled, dtype=bool)
-        self._position = 0
+        self._position = 0  # steps taken into the window so far
+        self._waiting = 0  # steps judged since the last refresh
         self._state: dict[str, Any] = {}
 
     def _state_for(self, norms: Tensor, host: bool) -> dict[str, Any]:
@@ -97,19 +110,27 @@ class NormWindow:
                 # (x, x², 1) per step in the window; 0 where a column took nothing
                 "rows": np.zeros((self.window, 3, c)),
                 "sums": np.zeros((3, c)),
+                "waiting": np.zeros((self.refresh, c)),  # log10 norms judged since a refresh
                 "z": self._z,
                 "log_ratio": self._log_ratio,
                 "enabled": self._enabled,
+                # the thresholds of an empty window (see `_refresh`)
+                "mean": np.zeros(c),
+                "inv_std": np.full(c, np.nan),
+                "typical": np.full(c, np.nan),
+                "limit": np.full(c, np.inf),
+                "clip": np.zeros(c),
             }
             # made on the device once: a copy from the host at every step could wait
             self._state = state if host else {
                 key: torch.as_tensor(value, device=norms.device) for key, value in state.items()
             }  # fmt: skip
+            self._position = self._waiting = 0
         return self._state
 
     def update(self, norms: Tensor, host: bool = False) -> Tensor:
-        """Judge this step's norms against the window, then add them to it. ``host``: in
-        numpy, on the CPU tensor's memory (see `on_host`)."""
+        """Judge this step's norms against the window; they enter it at the next refresh.
+        ``host``: in numpy, on the CPU tensor's memory (see `on_host`)."""
         state = self._state_for(norms, host)
         if not host:
             return self._step(torch, norms, state)
@@ -117,25 +138,50 @@ class NormWindow:
             return torch.from_numpy(self._step(np, norms.numpy(), state))
 
     def _step(self, xp: Any, norms: Any, state: dict[str, Any]) -> Any:
-        """The window's arithmetic, written once for ``xp`` = numpy or torch."""
-        sums, rows = state["sums"], state["rows"]
-        # (numpy's clip is ~10x its maximum; torch's maximum wants a tensor)
-        at_least: Any = np.maximum if xp is np else torch.clamp_min
+        """One step's judgement, written once for ``xp`` = numpy or torch."""
         x = xp.log10(norms)
         present = xp.isfinite(x)  # an absent layer (norm 0) or a non-finite step: skipped
+        spiking = (x > state["limit"]) & present
+        z = xp.where(present, (x - state["mean"]) * state["inv_std"], math.nan)
+        vector = xp.concatenate([z, state["typical"], spiking * 1.0])
+        state["waiting"][self._waiting] = x
+        self._waiting += 1
+        if self._waiting == self.refresh:
+            self._refresh(xp, state)
+        return vector
+
+    def _refresh(self, xp: Any, state: dict[str, Any]) -> None:
+        """Take the waiting steps into the window and derive the next steps' thresholds.
+        They were all judged against the same statistics, so a spiking value among them
+        enters clipped to the same ``mean + z·std``."""
+        at_least: Any = np.maximum if xp is np else torch.clamp_min  # (clip is ~10x slower)
+        sums, rows, x = state["sums"], state["rows"], state["waiting"][: self._waiting]
+        present = xp.isfinite(x)
+        taken = xp.where(x > state["limit"], state["clip"], x)
+        fresh = xp.where(present[:, None], xp.stack([taken, taken * taken, present * 1.0], 1), 0.0)
+        for slots, taken_rows in self._slots(len(fresh)):  # (slices: no index from the host)
+            sums += fresh[taken_rows].sum(0) - rows[slots].sum(0)
+            rows[slots] = fresh[taken_rows]
+        self._position += self._waiting
+        self._waiting = 0
         count = sums[2]
         mean = sums[0] / at_least(count, 1)
-        spread = at_least(sums[1] / at_least(count, 1) - mean * mean, 0)
-        std = at_least(xp.sqrt(spread), _MIN_STD_DECADES)
-        z = (x - mean) / std
-        spiking = present & state["enabled"] & (count >= self.warmup)
-        spiking &= (z > state["z"]) & (x - mean > state["log_ratio"])
-        taken = xp.where(spiking, mean + state["z"] * std, x)
-        row = xp.where(present, xp.stack([taken, taken * taken, xp.ones_like(x)]), 0.0)
-        slot = self._position % self.window
-        self._position += 1
-        sums += row - rows[slot]
-        rows[slot] = row
-        typical = xp.where(count < 1, math.nan, 10.0**mean)
-        z = xp.where(present & (count >= 1), z, math.nan)
-        return xp.concatenate([z, typical, spiking * 1.0])
+        std = at_least(xp.sqrt(at_least(sums[1] / at_least(count, 1) - mean * mean, 0)),
+                       _MIN_STD_DECADES)  # fmt: skip
+        armed = state["enabled"] & (count >= self.warmup)
+        state["mean"] = mean
+        state["inv_std"] = xp.where(count < 1, math.nan, 1.0 / std)
+        state["typical"] = xp.where(count < 1, math.nan, 10.0**mean)
+        state["clip"] = mean + state["z"] * std
+        # spiking: z above its threshold and the norm above ratio × typical
+        limit = mean + at_least(state["z"] * std, state["log_ratio"])
+        state["limit"] = xp.where(armed, limit, math.inf)
+
+    def _slots(self, n: int) -> list[tuple[slice, slice]]:
+        """Where ``n`` steps enter the ring of the window's rows: (its slots, their rows)."""
+        start = self._position % self.window
+        end = start + n
+        if end <= self.window:
+            return [(slice(start, end), slice(0, n))]
+        first = self.window - start
+        return [(slice(start, self.window), slice(0, first)), (slice(0, end - self.window), slice(first, n))]
