@@ -34,6 +34,8 @@ class Origin:
 
 
 def _floats(value: Any) -> list[Tensor]:
+    if type(value) is Tensor:  # (the usual output: no pytree walk, every forward)
+        return [value] if value.is_floating_point() else []
     return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point()]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradtrack.capture.collect import Guard
+from gradtrack.capture.collect import DeviceGrads, Guard
 from gradtrack.capture.stats import DeviceIndex
 
 # A window whose spread is below this (in decades) is read as this: identical norms (a fixed
@@ -44,19 +44,26 @@ class LayerNorms:
 
     def __call__(self, guard: Guard) -> Tensor:
         part = guard.devices[0]  # (a model spread over devices is judged on its first)
-        if part.index is not self._rows:  # (the layout's rows: the same array step after step)
-            self._rows, self._columns = part.index, self._tensor_layer[part.index] + 1
-        columns = self._columns
         if on_host(guard):
-            l2 = part.l2.numpy()
             with np.errstate(over="ignore", invalid="ignore"):
-                host = np.bincount(columns, weights=l2 * l2, minlength=self.columns)
-                host[0] = host[1:].sum()
-            return torch.from_numpy(np.sqrt(host))
+                return torch.from_numpy(self.on_host(part))
         squares = torch.zeros(self.columns, dtype=torch.float64, device=part.device)
-        squares.index_add_(0, self._index(columns, part.device), part.l2 * part.l2)
+        squares.index_add_(0, self._index(self._columns_of(part), part.device), part.l2 * part.l2)
         squares[0] = squares[1:].sum()
         return squares.sqrt()
+
+    def on_host(self, part: DeviceGrads) -> np.ndarray:
+        """`__call__` in numpy, for CPU gradients (the caller holds numpy's error state: a
+        norm's square may overflow)."""
+        l2 = part.l2.numpy()
+        host = np.bincount(self._columns_of(part), weights=l2 * l2, minlength=self.columns)
+        host[0] = host[1:].sum()
+        return np.sqrt(host, out=host)
+
+    def _columns_of(self, part: DeviceGrads) -> np.ndarray:
+        if part.index is not self._rows:  # (the layout's rows: the same array step after step)
+            self._rows, self._columns = part.index, self._tensor_layer[part.index] + 1
+        return self._columns
 
 
 # Steps whose norms wait before they enter the window (see `NormWindow`): the window's
@@ -103,7 +110,7 @@ class NormWindow:
         self._waiting = 0  # steps judged since the last refresh
         self._state: dict[str, Any] = {}
 
-    def _state_for(self, norms: Tensor, host: bool) -> dict[str, Any]:
+    def _state_for(self, norms: Tensor | np.ndarray, host: bool) -> dict[str, Any]:
         if not self._state or isinstance(self._state["sums"], np.ndarray) != host:
             c = self.columns
             state = {
@@ -137,6 +144,11 @@ class NormWindow:
         with np.errstate(divide="ignore", invalid="ignore"):
             return torch.from_numpy(self._step(np, norms.numpy(), state))
 
+    def on_host(self, norms: np.ndarray) -> np.ndarray:
+        """`update` in numpy, on host norms (the caller holds numpy's error state: the log of
+        an absent layer's 0)."""
+        return self._step(np, norms, self._state_for(norms, True))
+
     def _step(self, xp: Any, norms: Any, state: dict[str, Any]) -> Any:
         """One step's judgement, written once for ``xp`` = numpy or torch."""
         x = xp.log10(norms)
@@ -166,8 +178,8 @@ class NormWindow:
         self._waiting = 0
         count = sums[2]
         mean = sums[0] / at_least(count, 1)
-        std = at_least(xp.sqrt(at_least(sums[1] / at_least(count, 1) - mean * mean, 0)),
-                       _MIN_STD_DECADES)  # fmt: skip
+        spread = at_least(sums[1] / at_least(count, 1) - mean * mean, 0)
+        std = at_least(xp.sqrt(spread), _MIN_STD_DECADES)
         armed = state["enabled"] & (count >= self.warmup)
         state["mean"] = mean
         state["inv_std"] = xp.where(count < 1, math.nan, 1.0 / std)
@@ -184,4 +196,7 @@ class NormWindow:
         if end <= self.window:
             return [(slice(start, end), slice(0, n))]
         first = self.window - start
-        return [(slice(start, self.window), slice(0, first)), (slice(0, end - self.window), slice(first, n))]
+        return [
+            (slice(start, self.window), slice(0, first)),
+            (slice(0, end - self.window), slice(first, n)),
+        ]

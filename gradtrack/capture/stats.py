@@ -103,9 +103,10 @@ def l2_norms(
     if packed is not None:
         return packed_l2_norms(grads, packed)
     accumulate = accumulation_dtype(grads[0].dtype)
-    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=accumulate)).double()
-    overflowed = np.flatnonzero(np.isinf(norms.numpy()))
-    if len(overflowed):
+    plain = torch.stack(torch._foreach_norm(grads, 2, dtype=accumulate)).numpy()
+    norms = torch.from_numpy(plain.astype(np.float64))  # (numpy's cast: no kernel)
+    if np.isinf(plain).any():
+        overflowed = np.flatnonzero(np.isinf(plain))
         norms[overflowed] = exact_norms([grads[i] for i in overflowed], 2)
     return norms
 

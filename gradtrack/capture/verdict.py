@@ -9,6 +9,7 @@ judged by the worker before its optimizer step or not.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -164,6 +165,8 @@ class StepJudge:
 
     def judge(self, guard: Guard, step: int) -> tuple[Verdict, torch.Tensor | None]:
         """The step's verdict (`UNKNOWN` where it was latched instead) and spike vector."""
+        if self._on_host(guard):
+            return self._judge_on_host(guard, step)
         norms, spike = self._signals(guard, step)
         self.layer_norms = norms
         verdict = self._verdict(guard, norms, spike)
@@ -192,6 +195,38 @@ class StepJudge:
     def read_latch(self) -> np.ndarray | None:
         """At the end of training: the bad step latched since the last logged step, if any."""
         return None if self.latch is None else self.latch.read()
+
+    def _on_host(self, guard: Guard) -> bool:
+        """The usual CPU case, judged in numpy at every step: one CPU device (its norms are
+        host memory: nothing to wait for), the verdict read at the step, signals on."""
+        return (
+            len(guard.devices) == 1 and on_host(guard) and self.every_step
+            and self.reads_host is not False and self.signals.layer_norms is not None
+        )  # fmt: skip
+
+    def _judge_on_host(self, guard: Guard, step: int) -> tuple[Verdict, torch.Tensor | None]:
+        """`judge` in numpy: the layer norms, the spike vector and the verdict, each computed
+        once on host memory (what `_signals` and `_verdict` do for any device)."""
+        layer_norms, spikes = self.signals.layer_norms, self.signals.spikes
+        assert layer_norms is not None  # (`_on_host`)
+        try:
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                norms = layer_norms.on_host(guard.devices[0])
+                spike = None if spikes is None else spikes.on_host(norms)
+        except Exception as exc:  # watching must never crash training
+            self._on_error(step, exc)
+            self.layer_norms = None
+            return self._verdict(guard, None, None) or UNKNOWN, None
+        self.layer_norms = torch.from_numpy(norms)
+        spike_vector = None if spike is None else torch.from_numpy(spike)
+        # The total is finite only where every norm is (or where a finite fp64 norm's square
+        # overflowed: then each norm is read).
+        finite = math.isfinite(norms[0]) or bool(guard.finite())
+        spiking = spike is not None and bool(spike_fields(spike)["spiking"].any())
+        skips = self.signals.skips
+        skip = None if skips is None else skips.decide(finite, norms, spike)
+        trip = self.raises.find(finite, norms, spike) if self.raises else None
+        return Verdict(finite, spiking, skip, trip), spike_vector
 
     def _signals(self, guard: Guard, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every step, on the device: the layer norms and the spike vector."""
