@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+import gradtrack
 from benchmarks.fastloop import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +95,10 @@ def compare(name: str, rounds: int, options: dict[str, Any], packages: list[Any]
         for watcher in watchers:
             watcher.close()
     medians = [statistics.median(e) * 1e6 for e in extra]
-    return f"{name}: base {base * 1e6:.0f} µs/step; working tree +{medians[0]:.1f} µs, rev +{medians[1]:.1f} µs"
+    return (
+        f"{name}: base {base * 1e6:.0f} µs/step; "
+        f"working tree +{medians[0]:.1f} µs, rev +{medians[1]:.1f} µs"
+    )
 
 
 def main() -> None:
@@ -108,8 +112,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         export(args.rev, Path(tmp))
         sys.path.insert(0, tmp)
-        import gradtrack
-        import gradtrack_rev  # type: ignore[import-not-found]
+        import gradtrack_rev  # type: ignore[import-not-found,unused-ignore]
 
         for name in args.models:
             print(compare(name, args.rounds, args.options, [gradtrack, gradtrack_rev]), flush=True)
