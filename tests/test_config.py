@@ -357,3 +357,9 @@ def test_switches_stand_for_their_sections() -> None:
     assert dumped["update_signals"] is True and GradtrackConfig(**dumped) == config
     with pytest.raises(GradtrackConfigError, match="GRADTRACK_SPOOL='maybe' is not a switch"):
         load_config(environ={"GRADTRACK_SPOOL": "maybe"})
+    environ = {"GRADTRACK_NOISE_SCALE": "off", "GRADTRACK_FLIGHT": "no"}
+    config = load_config(environ=environ)
+    assert not config.noise_scale.enabled and not config.flight.enabled
+    config = load_config({"noise_scale": False, "flight": False}, environ={})
+    assert not config.noise_scale.enabled and not config.flight.enabled
+    assert load_config({"noise_scale": True}, environ={}).noise_scale.enabled

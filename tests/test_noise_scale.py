@@ -89,12 +89,38 @@ def test_the_loss_scale_changes_its_parts_but_not_the_noise_scale() -> None:
     assert s.noise_scale_g2 == pytest.approx(16 * a.noise_scale_g2, rel=1e-6)  # type: ignore[operator]
 
 
-def test_without_two_batch_sizes_it_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("asked", [{"noise_scale": True}, {"noise_scale": {"per_layer": True}}])
+def test_asked_for_without_two_batch_sizes_it_says_why_once(
+    caplog: pytest.LogCaptureFixture, asked: dict[str, object]
+) -> None:
     with caplog.at_level(logging.INFO, logger="gradtrack"):
-        sink, _ = _accumulate(micro_batches=1, size=16, steps=30, log_every=1)
+        sink, _ = _accumulate(micro_batches=1, size=16, steps=30, log_every=1, **asked)
     assert all(r.noise_scale is None for r in sink.records)
     said = [m for m in caplog.messages if "noise scale" in m]
     assert len(said) == 1 and "two batch sizes" in said[0]
+
+
+def test_by_default_a_run_it_cannot_estimate_hears_nothing_of_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One process, one backward per step (the README's demo): nothing to say at INFO."""
+    with caplog.at_level(logging.INFO, logger="gradtrack"):
+        sink, _ = _accumulate(micro_batches=1, size=16, steps=30, log_every=1)
+    assert all(r.noise_scale is None for r in sink.records)
+    assert [m for m in caplog.messages if "noise scale" in m] == []
+    assert sink.records  # (the run itself was logged)
+
+
+@pytest.mark.parametrize("off", [{"noise_scale": False}, {"GRADTRACK_NOISE_SCALE": "0"}])
+def test_false_switches_it_off_as_for_histograms_and_the_spool(
+    monkeypatch: pytest.MonkeyPatch, off: dict[str, object]
+) -> None:
+    env = {k: v for k, v in off.items() if k.startswith("GRADTRACK_")}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    options = {k: v for k, v in off.items() if k not in env}
+    sink, _ = _accumulate(micro_batches=4, size=16, steps=10, log_every=1, **options)
+    assert sink.records and all(r.noise_scale_g2 is None for r in sink.records)
 
 
 def test_an_input_with_no_tensor_asks_for_the_batch_size(

@@ -466,10 +466,11 @@ class GradtrackConfig(BaseModel):
         default_factory=DistributedOptions, description="torch.distributed options."
     )
     flight: FlightOptions = Field(
-        default_factory=FlightOptions, description="Flight recorder options."
+        default_factory=FlightOptions, description="Flight recorder options (False: none)."
     )
     noise_scale: NoiseScaleOptions = Field(
-        default_factory=NoiseScaleOptions, description="Gradient noise scale options."
+        default_factory=NoiseScaleOptions,
+        description="Gradient noise scale options (False: none).",
     )
 
     @model_validator(mode="before")
@@ -522,19 +523,22 @@ RENAMED: dict[str, str] = {
     "update_signals.enabled": "update_signals",
 }
 # Sections a plain on/off value stands for: spool=False, histograms=False (see _expand).
-_SWITCHED = ("spool", "histograms")
+_SWITCHED = ("spool", "histograms", "noise_scale", "flight")
 
 
 def _expand(section: str, value: Any) -> Any:
-    """A section given as an on/off value: ``spool=False`` is ``spool={"enabled": False}``,
-    ``histograms=False`` is ``histograms={"every": None}`` (True: the defaults).
+    """A section given as an on/off value: ``spool=False`` is ``spool={"enabled": False}``
+    (``noise_scale`` and ``flight`` alike), ``histograms=False`` is
+    ``histograms={"every": None}`` (True: the defaults).
 
     >>> _expand("histograms", False), _expand("histograms", True), _expand("spool", False)
     ({'every': None}, {}, {'enabled': False})
+    >>> _expand("noise_scale", False), _expand("noise_scale", True)
+    ({'enabled': False}, {'enabled': True})
     """
     if section not in _SWITCHED or isinstance(value, (Mapping, BaseModel)):
         return value
-    if section == "spool":
+    if section != "histograms":
         return {"enabled": value}
     if not isinstance(value, (bool, type(None))):
         return value  # refused by validation: histograms takes a mapping or a bool
@@ -698,7 +702,8 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     A double underscore reaches into a nested field: ``GRADTRACK_HISTOGRAMS__BINS``.
     ``GRADTRACK_SPOOL_DIR`` is the spool's folder (``spool.dir``), as it always was.
 
-    ``GRADTRACK_SPOOL=0`` and ``GRADTRACK_HISTOGRAMS=0`` switch those off.
+    ``GRADTRACK_SPOOL=0``, ``GRADTRACK_HISTOGRAMS=0``, ``GRADTRACK_NOISE_SCALE=0`` and
+    ``GRADTRACK_FLIGHT=0`` switch those off.
 
     >>> read_env({"GRADTRACK_HISTOGRAMS__BINS": "8", "GRADTRACK_SPOOL": "off"})
     {'histograms': {'bins': '8'}, 'spool': {'enabled': False}}

@@ -21,6 +21,7 @@ contribution against their sum): `gradtrack.capture.noise_probes`.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -98,7 +99,11 @@ class StepNoise:
         if isinstance(found, str):
             if found and self.why_none is None:
                 self.why_none = found
-                logger.info("no gradient noise scale: %s", found)
+                # Said where the user asked for it (any noise_scale option set); the
+                # default estimates it where it can, silently where it cannot.
+                asked = bool(self.options.model_fields_set)
+                level = logging.INFO if asked else logging.DEBUG
+                logger.log(level, "no gradient noise scale: %s", found)
             return {}
         small, b_small, b_big = found
         scale = evidence.scalar("amp_scale")  # the probes saw the GradScaler's scaled gradients
