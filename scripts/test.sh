@@ -7,10 +7,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
+# Only the pytest plugins the suite needs: a venv that reuses the interpreter's torch also
+# sees the interpreter's other packages, and their plugins (pytest-benchmark, ...) would
+# otherwise load into the suite and change what it does.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+pytest=(.venv/bin/python -m pytest -p xdist.plugin)
 if [ "$#" -gt 0 ]; then
-  exec .venv/bin/python -m pytest "$@"
+  exec "${pytest[@]}" "$@"
 fi
 status=0
-.venv/bin/python -m pytest -n "${GRADTRACK_TEST_WORKERS:-2}" -m "not solo" || status=$?
-.venv/bin/python -m pytest -m solo || status=$?
+"${pytest[@]}" -n "${GRADTRACK_TEST_WORKERS:-2}" -m "not solo" || status=$?
+"${pytest[@]}" -m solo || status=$?
 exit "$status"

@@ -182,12 +182,13 @@ def test_fsdp2_nan_counts_are_summed_over_shards(tmp_path: Path) -> None:
 
 
 def _torchrun(tmp_path: Path, nprocs: int, example: str, *args: str) -> str:
-    """Run ``examples/<example>`` under torchrun on ``nprocs`` CPU processes; its stdout."""
-    torchrun = Path(sys.executable).with_name("torchrun")
+    """Run ``examples/<example>`` under torchrun on ``nprocs`` CPU processes; its stdout.
+    (torchrun as torch's module: a reused torch's ``torchrun`` script is beside the
+    interpreter that installed it, not in the venv.)"""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [str(torchrun), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()),
-         str(ROOT / "examples" / example), *args],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
+         "--master_port", str(free_port()), str(ROOT / "examples" / example), *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
