@@ -114,7 +114,14 @@ def test_nonfinite_from_the_loss_is_told_apart() -> None:
     model = deep_model()
     sink, _ = train(model, 1, lr=None, loss_of=lambda out: (out * 0).log().sum())
     (event,) = only(sink.events, "nonfinite")
-    assert event.origin_stage == "loss" and "loss" in event.message
+    assert event.origin_stage == "loss" and event.origin_layer is None
+    assert event.message.startswith(
+        "NaN gradient made by the loss: the gradient reaching the model output was already "
+        "non-finite. "
+    ), event.message
+    assert event.layer is None and event.title == (
+        f"gradtrack: nonfinite in {len(event.layers)} layers, made by the loss"
+    )
 
 
 def test_huge_learning_rate_explodes() -> None:

@@ -32,7 +32,7 @@ def nonfinite_diagnosis(record: StepRecord, origin: str | None, stage: Stage) ->
         )
     if stage == "loss":
         return (
-            "the gradient reaching the model output was already non-finite (loss)",
+            "made by the loss: the gradient reaching the model output was already non-finite",
             f"the loss produced it (log(0), division by zero, sqrt of 0, targets outside "
             f"the loss's range): {_FIX}; prefer fused losses (cross_entropy on logits, "
             "binary_cross_entropy_with_logits)",

@@ -52,7 +52,25 @@ class AlertEvent(BaseModel):
 
     @property
     def title(self) -> str:
-        where = f" in {self.layer}" if self.layer else ""
-        if len(self.layers) > 1:
-            where += f" and {len(self.layers) - 1} more layers"
+        """One line naming the rule and where: its worst layer (and how many more), or how
+        many layers where it names none (a NaN the loss made reaches every layer).
+
+        >>> base = dict(step=3, wall_time=0.0, statistic="norm", value=1.0, threshold=None,
+        ...             severity="error", message="")
+        >>> AlertEvent(rule="nonfinite", layer=None, layers=("a", "b"),
+        ...            origin_stage="loss", **base).title
+        'gradtrack: nonfinite in 2 layers, made by the loss'
+        >>> AlertEvent(rule="dead", layer="fc", layers=("fc", "out"), **base).title
+        'gradtrack: dead in fc and 1 more layer'
+        """
+        where = ""
+        if self.layer:
+            where = f" in {self.layer}"
+            more = len(self.layers) - 1
+            if more > 0:
+                where += f" and {more} more layer{'s' if more > 1 else ''}"
+        elif self.layers:
+            where = f" in {len(self.layers)} layer{'s' if len(self.layers) > 1 else ''}"
+        if self.origin_stage == "loss" and self.origin_layer is None:
+            where += ", made by the loss"
         return f"gradtrack: {self.rule}{where}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,17 @@ class Alert:
     message: str
     layer: str | None = None
     origin_layer: str | None = None
+    origin_stage: str | None = None  # where a non-finite gradient was made (the event's)
+
+
+class FirstNonFinite(NamedTuple):
+    """A run's first step whose gradient held a NaN or Inf, and where it came from: the
+    layer it names (the event's origin, else the first non-finite layer in depth order;
+    None where the loss made it or only the totals say so) and the event's stage."""
+
+    step: int
+    layer: str | None
+    stage: str | None = None
 
 
 @dataclass
@@ -80,10 +91,9 @@ class RunData:
             return self.total_logged
         return ~np.isnan(self.total_norm)
 
-    def first_nonfinite(self) -> tuple[int, str | None] | None:
-        """The first step whose gradient held a NaN or Inf, and the layer it names first:
-        the origin an alert named at that step, else the first non-finite layer in depth
-        order (None where only the totals say so)."""
+    def first_nonfinite(self) -> FirstNonFinite | None:
+        """The first step whose gradient held a NaN or Inf, and where it came from, as the
+        `nonfinite` event at that step tells it (see `FirstNonFinite`)."""
         bad = ~np.isfinite(self.total_norm) & self.total_logged_mask()
         if self.total_nonfinite is not None:
             bad |= np.nan_to_num(self.total_nonfinite) > 0
@@ -97,11 +107,14 @@ class RunData:
             return None
         row = int(np.argmax(bad))
         step = int(self.steps[row])
-        origins = [a.origin_layer for a in self.alerts if a.step == step and a.rule == "nonfinite"]
-        if origins and origins[0]:
-            return step, origins[0]
+        events = [a for a in self.alerts if a.step == step and a.rule == "nonfinite"]
+        stage = events[0].origin_stage if events else None
+        if events and events[0].origin_layer:
+            return FirstNonFinite(step, events[0].origin_layer, stage)
+        if stage in ("loss", "weights") or (stage == "forward" and events):
+            return FirstNonFinite(step, None, stage)  # no layer made it: none is blamed
         columns = np.flatnonzero(bad_layers[row])
-        return step, (self.layers[int(columns[0])] if len(columns) else None)
+        return FirstNonFinite(step, self.layers[int(columns[0])] if len(columns) else None, stage)
 
     def per_layer_steps(self) -> np.ndarray:
         """The steps that carry per-layer statistics."""
@@ -207,4 +220,26 @@ def parse_alert_text(text: str, rule: str, severity: str) -> Alert:
     step = int(match.group(1)) if match else -1
     message = match.group(2) if match else text
     origin = re.search(r"gradient first at (\S+) \(", message)
-    return Alert(step, rule, severity, message, origin_layer=origin.group(1) if origin else None)
+    layer = origin.group(1) if origin else None
+    return Alert(step, rule, severity, message, origin_layer=layer, origin_stage=_stage_in(message))
+
+
+def _stage_in(message: str) -> str | None:
+    """The stage a `nonfinite` message names (`gradtrack.alerts.diagnosis`'s wording).
+
+    >>> _stage_in("NaN gradient made by the loss: the gradient reaching ..."), _stage_in("x")
+    ('loss', None)
+    """
+    for stage, words in _STAGE_WORDS:
+        if words in message:
+            return stage
+    return None
+
+
+_STAGE_WORDS = (
+    ("loss", "gradient made by the loss:"),
+    ("forward", "gradient made in the forward pass"),
+    ("forward", "gradient from the input batch"),
+    ("weights", "gradient because the weights are non-finite"),
+    ("backward", "gradient first at "),
+)

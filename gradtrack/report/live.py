@@ -64,6 +64,7 @@ class FlowHistory:
         if len(self._alerts) < 1000:
             alert = Alert(event.step, event.rule, event.severity, event.message)
             alert.layer, alert.origin_layer = event.layer, event.origin_layer
+            alert.origin_stage = event.origin_stage
             self._alerts.append(alert)
 
     def run_data(self, name: str, source: str, run_id: str = "") -> RunData:

@@ -42,7 +42,7 @@ def read_mlflow_run(
     if not keys:
         series = {k: [] for k in run.data.metrics}
     alerts = [
-        Alert(e.step, e.rule, e.severity, e.message, e.layer, e.origin_layer)
+        Alert(e.step, e.rule, e.severity, e.message, e.layer, e.origin_layer, e.origin_stage)
         for e in read_alerts(run_id, tracking_uri)
     ]
     data = from_series(

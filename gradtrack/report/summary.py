@@ -13,7 +13,7 @@ from typing import Any
 
 from gradtrack.formats.flight import FlightWindow
 from gradtrack.report.compare import LayerDifference, rank_layers
-from gradtrack.report.data import RunData
+from gradtrack.report.data import FirstNonFinite, RunData
 from gradtrack.report.divergence import DEFAULT_RTOL, Divergence, first_divergence
 
 
@@ -77,13 +77,28 @@ def sentences(summary: Summary) -> list[str]:
         lines += [window_sentence(run.name, window) for window in run.windows]
         found = run.first_nonfinite()
         if found is not None:
-            where = f" (first in {found[1]})" if found[1] else ""
-            lines.append(f"{run.name}: first non-finite gradient at step {found[0]}{where}.")
+            lines.append(nonfinite_sentence(run.name, found))
     if len(summary.runs) == 1:
         lines += _weakest_text(summary)
     for i, j, d in summary.pairs:
         lines.append(_pair_text(summary.runs[i], summary.runs[j], d))
     return lines
+
+
+def nonfinite_sentence(name: str, found: FirstNonFinite) -> str:
+    """A run's first non-finite step, where its event says it came from.
+
+    >>> nonfinite_sentence("run", FirstNonFinite(517, None, "loss"))
+    'run: first non-finite gradient at step 517, made by the loss (no layer made it).'
+    >>> nonfinite_sentence("run", FirstNonFinite(9, "fc", "backward"))
+    'run: first non-finite gradient at step 9 (first in fc).'
+    """
+    where = {
+        "loss": ", made by the loss (no layer made it)",
+        "weights": ", the weights already non-finite",
+        "forward": " in the forward pass" + (f", at {found.layer}'s output" if found.layer else ""),
+    }.get(found.stage or "", f" (first in {found.layer})" if found.layer else "")
+    return f"{name}: first non-finite gradient at step {found.step}{where}."
 
 
 def window_sentence(name: str, window: FlightWindow) -> str:
@@ -141,8 +156,9 @@ def _run_json(run: RunData) -> dict[str, Any]:
             "per_layer": len(per_layer),
         },
         "layers": len(run.layers),
-        "first_nonfinite": None if found is None else found[0],
-        "first_nonfinite_layer": None if found is None else found[1],
+        "first_nonfinite": None if found is None else found.step,
+        "first_nonfinite_layer": None if found is None else found.layer,
+        "first_nonfinite_stage": None if found is None else found.stage,
         "flight_windows": [
             {
                 "incident": w.incident,

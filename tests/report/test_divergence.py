@@ -96,7 +96,8 @@ def test_wandb_runs_give_the_same_findings(three_runs: ThreeRuns) -> None:
         divergence = first_divergence(runs[0], runs[1])
         assert divergence is not None
         assert (divergence.step, divergence.layer) == (NUDGE_STEP, NUDGED_LAYER)
-        assert runs[2].first_nonfinite() == (NAN_STEP, NAN_LAYER)
+        found = runs[2].first_nonfinite()
+        assert found is not None and found[:2] == (NAN_STEP, NAN_LAYER)
         assert runs[0].first_nonfinite() is None
     json_mlflow, json_wandb = to_json(summarise(from_mlflow)), to_json(summarise(from_wandb))
     assert json_mlflow["pairs"][0]["first_divergence"] == json_wandb["pairs"][0]["first_divergence"]
