@@ -24,7 +24,11 @@ def _train_with_a_loss_nan(uri: str, memory: MemorySink) -> str:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     mlflow = {"tracking_uri": uri, "experiment": "findings", "run_name": "loss-nan"}
     with gradtrack.watch(
-        model, backend=["mlflow", memory], optimizer=optimizer, log_every=2, mlflow=mlflow,
+        model,
+        backend=["mlflow", memory],
+        optimizer=optimizer,
+        log_every=2,
+        mlflow=mlflow,
         alerts={"nonfinite": {"action": "skip"}},  # (the weights stay finite)
     ) as watcher:
         for step in range(12):
