@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if rtol < 0:
         print("gradtrack: --rtol must be >= 0", file=sys.stderr)
         return 2
-    from gradtrack.report.summary import summarise, to_json
+    from gradtrack.report.summary import summarise, terminal_summary, to_json
 
     try:
         runs = [read_run(spec, args.tracking_uri) for spec in args.runs]
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(to_json(summary), indent=2, allow_nan=False))
     else:
-        print(path)
+        print(terminal_summary(summary, path))
     parted = any(d is not None for _, _, d in summary.pairs)
     return 1 if args.parity and parted else 0
 

@@ -9,6 +9,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from itertools import combinations
+from pathlib import Path
 from typing import Any
 
 from gradtrack.formats.flight import FlightWindow
@@ -45,6 +46,7 @@ def to_json(summary: Summary, top: int | None = None) -> dict[str, Any]:
     runs = summary.runs
     return {
         "rtol": summary.rtol,
+        "findings": sentences(summary),
         "runs": [_run_json(run) for run in runs],
         "pairs": [
             {
@@ -99,6 +101,23 @@ def nonfinite_sentence(name: str, found: FirstNonFinite) -> str:
         "forward": " in the forward pass" + (f", at {found.layer}'s output" if found.layer else ""),
     }.get(found.stage or "", f" (first in {found.layer})" if found.layer else "")
     return f"{name}: first non-finite gradient at step {found.step}{where}."
+
+
+def terminal_summary(summary: Summary, report: Path) -> str:
+    """What ``gradtrack report`` and ``compare`` print: each finding on a line of its own,
+    then the page that draws them (as a test runner ends with its summary).
+
+    >>> print(terminal_summary(Summary([], 1e-6, [], []), Path("out/report.html")))
+    no findings: nothing non-finite, no incident, no divergence.
+    report: out/report.html
+    """
+    found = sentences(summary)
+    lines = [f"  {s}" for s in found] or [
+        "no findings: nothing non-finite, no incident, no divergence."
+    ]
+    if found:
+        lines.insert(0, f"{len(found)} finding{'s' if len(found) > 1 else ''}:")
+    return "\n".join([*lines, f"report: {report}"])
 
 
 def window_sentence(name: str, window: FlightWindow) -> str:
@@ -162,7 +181,7 @@ def _run_json(run: RunData) -> dict[str, Any]:
         "flight_windows": [
             {
                 "incident": w.incident,
-                "step": w.incident_step,
+                "incident_step": w.incident_step,
                 "steps": [int(w.steps[0]), int(w.steps[-1])] if len(w.steps) else None,
                 "first_mover": w.first_mover,
                 "first_mover_step": w.first_mover_step,

@@ -136,7 +136,7 @@ def test_a_nan_at_an_unlogged_step_leaves_the_256_steps_before_it_in_mlflow_and_
         assert any(f"first non-finite gradient at step {NAN_AT}" in line for line in found)
         assert any("the weakest layer is" in line and "below the strongest" in line
                    for line in found), found  # fmt: skip
-        assert NAN_AT in [w["step"] for w in to_json(summary)["runs"][0]["flight_windows"]]
+        assert NAN_AT in [w["incident_step"] for w in to_json(summary)["runs"][0]["flight_windows"]]
     page = render_report([run], tmp_path / "report").read_text()
     assert "conv2&#x27;s gradient norm began rising" in page
     assert f"before the nonfinite at step {NAN_AT} (flight recorder)" in page

@@ -124,8 +124,15 @@ def test_report_html_opens_cleanly_and_its_pngs_have_content(
                "--tracking-uri", two_runs["uri"], "--out", str(out)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    html = Path(result.stdout.strip())
+    *findings, last = result.stdout.strip().splitlines()
+    html = Path(last.removeprefix("report: "))
     assert html == out / "report.html"
+    # The findings, on the terminal as in the report (one per line, after their count).
+    count = len(findings) - 1
+    assert findings[0] == f"{count} finding{'s' if count > 1 else ''}:"
+    said = [line.strip() for line in findings[1:]]
+    assert said and all(line in text_of(html) for line in said)
+    assert any("part" in line or "diverge" in line for line in said), said
     text = html.read_text()
     sources = re.findall(r'(?:src|href)="([^"]*)"', text)  # self-contained: nothing to fetch
     assert sources and all(s.startswith("data:image/png;base64,") for s in sources)
@@ -178,3 +185,10 @@ def test_bad_runs_get_clear_errors(two_runs: dict[str, Any], tmp_path: Path, cap
         GradtrackError, match=r"holds no gradtrack data .* found instead: \['loss'\]"
     ):
         read_run(run.info.run_id, uri)
+
+
+def text_of(html: Path) -> str:
+    """The report's words, without its markup (a finding is one paragraph or list item)."""
+    import html as markup
+
+    return markup.unescape(re.sub(r"<[^>]+>", "", html.read_text()))
