@@ -112,3 +112,34 @@ def test_console_tables_keep_clear_of_a_tqdm_bar() -> None:
                 bar.update()
     for line in stream.getvalue().replace("\r", "\n").splitlines():
         assert "gradtrack step" not in line or line.startswith("gradtrack step"), line
+
+
+@pytest.mark.slow
+def test_the_close_progress_line_names_what_it_waits_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tight loop at log_every=1 into MLflow's store, closed with steps still to deliver: each
+    progress line names the kinds left and their counts, or, with every item delivered, what
+    the sink is doing — never "0 item(s) left" with a rate and a time to go."""
+    from gradtrack.delivery import progress
+
+    monkeypatch.setattr(progress, "_LINE_EVERY_S", 0.2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    watcher = gradtrack.watch(
+        model, backend="mlflow", optimizer=optimizer, log_every=1,
+        mlflow={"tracking_uri": uri}, spool={"dir": str(tmp_path / "spool")},
+    )  # fmt: skip
+    for _ in range(1500):  # no sleep: the courier falls behind
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optimizer.step()
+    with caplog.at_level(logging.INFO, logger="gradtrack"):
+        watcher.close()
+    lines = [m for m in caplog.messages if m.startswith("delivering to MlflowSink")]
+    assert lines, "close took under 0.2 s: nothing to show"
+    for line in lines:
+        assert "0 item(s)" not in line, line
+        assert ("step(s) of" in line and "left" in line) or "every item delivered, " in line, line
+    assert all("ending its run" in m for m in lines if "every item delivered" in m)

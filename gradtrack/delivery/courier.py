@@ -55,6 +55,11 @@ class SinkCourier(ABC):
         """Items of the run's spool this courier has not delivered yet (0 without a spool:
         steps waiting in memory are not counted here)."""
 
+    def describe_left(self) -> str:
+        """What this courier still has to do, for the close/sync progress line, without the
+        sink's name ("" if nothing it can name)."""
+        return ""
+
     @property
     @abstractmethod
     def starting(self) -> bool:
@@ -214,6 +219,19 @@ class _Lane:
             self.spool.confirm(self.cursor, through)
 
 
+# What a tracker sink does in a posted call, for the progress line.
+_DOING = {"close": "ending its run (its last pictures and files)", "flush": "flushing its tracker"}
+
+
+def _lane_left(spool: Spool, lane: _Lane) -> str:
+    """What waits on one lane: steps of metrics and alerts, or steps of histograms."""
+    count, alerts = spool.waiting(lane.position, spool.last_seq, lane.histograms)
+    if lane.histograms:
+        return f"{count:,} step(s) of histograms" if count else ""
+    told = [f"{count - alerts:,} step(s) of metrics"] if count > alerts else []
+    return ", ".join(told + ([f"{alerts:,} alert(s)"] if alerts else []))
+
+
 class SpooledCourier(SinkCourier):
     """Delivers a `TrackerSink`'s items from the spool, in order, each once; the only place
     delivery retries. A batch that fails is sent again after a backoff (0.5 s doubling to
@@ -248,6 +266,7 @@ class SpooledCourier(SinkCourier):
         self._opened = False
         self._starting = True  # the first send (an SDK's import, a run's creation) is under way
         self._waiting_for: _Call | None = None  # the flush or close delivery is waited for
+        self._ending: str | None = None  # what the sink does in a flush or close under way
         self._waiting_since = 0.0
         self._target = self._safe_target()
         if start:
@@ -419,12 +438,23 @@ class SpooledCourier(SinkCourier):
             self._calls.popleft()
         self._waiting_for = None
         method, _, done = call
-        if method == "close":
-            self._call("end", self._end, complete, *call[1][2:])
-        else:
-            self._call(method, self._tracker.flush)
+        self._ending = _DOING[method]
+        try:
+            if method == "close":
+                self._call("end", self._end, complete, *call[1][2:])
+            else:
+                self._call(method, self._tracker.flush)
+        finally:
+            self._ending = None
         if done is not None:
             done.set()
+
+    def describe_left(self) -> str:
+        """``1,200 step(s) of metrics, 3 alert(s), 12 step(s) of histograms``, or what the
+        sink does once every item went (``ending its run (...)``)."""
+        if self._ending is not None:
+            return self._ending
+        return ", ".join(filter(None, (_lane_left(self.spool, lane) for lane in self._lanes)))
 
     def _end(self, complete: bool, outcome: str | None = None) -> None:
         if outcome is not None:

@@ -98,7 +98,12 @@ def sync(path: Path, timeout_s: float = 300.0, say: Callable[[str], None] = prin
 
 def _wait(courier: SpooledCourier, closed: threading.Event, timeout_s: float, what: str) -> None:
     wait_while_progressing(
-        closed, lambda: courier.left, timeout_s, what, busy=lambda: courier.starting
+        closed,
+        lambda: courier.left,
+        timeout_s,
+        what,
+        busy=lambda: courier.starting,
+        waiting_for=courier.describe_left,
     )
 
 

@@ -84,7 +84,12 @@ class Worker:
         what = "delivering to " + ", ".join(type(sink).__name__ for sink in self.sinks)
         try:
             done = wait_while_progressing(
-                control.done, self.left, timeout_s, what, busy=self._starting
+                control.done,
+                self.left,
+                timeout_s,
+                what,
+                busy=self._starting,
+                waiting_for=self.describe_left,
             )
         except KeyboardInterrupt:
             if self.spool is not None and self.spool.path is not None:
@@ -99,6 +104,17 @@ class Worker:
     def left(self) -> int:
         """Steps and alerts not yet delivered: waiting for the worker, or in the spool."""
         return len(self._mailbox) + max((c.left for c in self.couriers), default=0)
+
+    def describe_left(self) -> str:
+        """What delivery still waits for, by kind and count (the progress line's words)."""
+        waiting = len(self._mailbox)
+        parts = [f"{waiting:,} step(s) not yet summarised"] if waiting else []
+        named = len(self.couriers) > 1
+        for courier in self.couriers:
+            told = courier.describe_left()
+            if told:
+                parts.append(f"{type(courier.sink).__name__} {told}" if named else told)
+        return "; ".join(parts)
 
     def _starting(self) -> bool:
         return any(c.starting and c.left for c in self.couriers)
