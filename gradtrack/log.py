@@ -54,8 +54,9 @@ def warn(message: str, category: type[Warning] = RuntimeWarning, stacklevel: int
 
 
 def report(message: str) -> None:
-    """Log and warn about a fault in gradtrack itself, never raising. A sink's error may
-    quote its tracker's URI, so credentials are redacted here, for every caller."""
-    message = redact(message)
-    logger.warning(message)
-    warn(message, stacklevel=2)
+    """Tell a fault in gradtrack itself once, never raising: a WARNING of the ``gradtrack``
+    logger (the terminal's ``[gradtrack]`` line, or the user's own logging). Not also a
+    Python warning — nothing in the user's code can change a tracker that is down or a
+    worker that stopped, and the same text twice on the terminal is noise. A sink's error
+    may quote its tracker's URI, so credentials are redacted here, for every caller."""
+    logger.warning(redact(message))

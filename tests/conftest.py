@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
@@ -188,3 +189,28 @@ def mlflow_globals_reset() -> Iterator[None]:
             fluent._active_run_stack.get().clear()
     fluent._active_experiment_id = None
     mlflow.set_tracking_uri(None)
+
+
+class Told:
+    """The faults gradtrack reported (WARNING and above of its logger), each as its text:
+    `gradtrack.log.report` tells a fault once, as a log record, not also as a warning."""
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        self._caplog = caplog
+        caplog.set_level(logging.WARNING, logger="gradtrack")
+
+    @property
+    def messages(self) -> list[str]:
+        return [
+            r.getMessage()
+            for r in self._caplog.records
+            if r.name == "gradtrack" and r.levelno >= logging.WARNING
+        ]
+
+    def count(self, text: str) -> int:
+        return sum(text in m for m in self.messages)
+
+
+@pytest.fixture
+def told(caplog: pytest.LogCaptureFixture) -> Told:
+    return Told(caplog)
