@@ -18,7 +18,7 @@ from gradtrack.sinks import MemorySink
 NAN_AT = 6
 
 
-def _train_with_a_loss_nan(uri: str, memory: MemorySink) -> str:
+def _train_with_a_loss_nan(uri: str, memory: MemorySink, journal: Path) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -30,6 +30,7 @@ def _train_with_a_loss_nan(uri: str, memory: MemorySink) -> str:
         log_every=2,
         mlflow=mlflow,
         alerts={"nonfinite": {"action": "skip"}},  # (the weights stay finite)
+        skip={"journal": str(journal)},
     ) as watcher:
         for step in range(12):
             optimizer.zero_grad()
@@ -44,7 +45,8 @@ def _train_with_a_loss_nan(uri: str, memory: MemorySink) -> str:
 @pytest.mark.slow
 def test_a_nan_made_by_the_loss_blames_no_layer(tmp_path: Path) -> None:
     memory = MemorySink()
-    run_id = _train_with_a_loss_nan(f"sqlite:///{tmp_path / 'mlflow.db'}", memory)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = _train_with_a_loss_nan(uri, memory, tmp_path / "skipped_steps.json")
     (event,) = [e for e in memory.events if e.rule == "nonfinite"]
     assert (event.step, event.origin_stage, event.origin_layer) == (NAN_AT, "loss", None)
 
