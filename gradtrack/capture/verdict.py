@@ -222,11 +222,7 @@ class StepJudge:
         # The total is finite only where every norm is (or where a finite fp64 norm's square
         # overflowed: then each norm is read).
         finite = math.isfinite(norms[0]) or bool(guard.finite())
-        spiking = spike is not None and bool(spike_fields(spike)["spiking"].any())
-        skips = self.signals.skips
-        skip = None if skips is None else skips.decide(finite, norms, spike)
-        trip = self.raises.find(finite, norms, spike) if self.raises else None
-        return Verdict(finite, spiking, skip, trip), spike_vector
+        return self._ruled(finite, norms, spike), spike_vector
 
     def _signals(self, guard: Guard, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every step, on the device: the layer norms and the spike vector."""
@@ -268,10 +264,15 @@ class StepJudge:
             finite = bool(read[: len(flags)].all())
             layer_norms = read[len(flags) : len(flags) + len(norms)]
             spike_host = None if spike is None else read[len(flags) + len(norms) :]
-        spiking = spike_host is not None and bool(spike_fields(spike_host)["spiking"].any())
+        return self._ruled(finite, layer_norms, spike_host)
+
+    def _ruled(self, finite: bool, norms: np.ndarray, spike: np.ndarray | None) -> Verdict:
+        """The verdict from the step's host values: spiking or not, and the skip and raise
+        rules it trips."""
+        spiking = spike is not None and bool(spike_fields(spike)["spiking"].any())
         skips = self.signals.skips
-        skip = None if skips is None else skips.decide(finite, layer_norms, spike_host)
-        trip = self.raises.find(finite, layer_norms, spike_host) if self.raises else None
+        skip = None if skips is None else skips.decide(finite, norms, spike)
+        trip = self.raises.find(finite, norms, spike) if self.raises else None
         return Verdict(finite, spiking, skip, trip)
 
     def _latch(self, guard: Guard, step: int, spike: torch.Tensor | None) -> None:

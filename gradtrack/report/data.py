@@ -111,7 +111,7 @@ class RunData:
         stage = events[0].origin_stage if events else None
         if events and events[0].origin_layer:
             return FirstNonFinite(step, events[0].origin_layer, stage)
-        if stage in ("loss", "weights") or (stage == "forward" and events):
+        if stage in ("loss", "weights", "forward"):
             return FirstNonFinite(step, None, stage)  # no layer made it: none is blamed
         columns = np.flatnonzero(bad_layers[row])
         return FirstNonFinite(step, self.layers[int(columns[0])] if len(columns) else None, stage)

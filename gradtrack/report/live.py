@@ -62,10 +62,17 @@ class FlowHistory:
 
     def alert(self, event: AlertEvent) -> None:
         if len(self._alerts) < 1000:
-            alert = Alert(event.step, event.rule, event.severity, event.message)
-            alert.layer, alert.origin_layer = event.layer, event.origin_layer
-            alert.origin_stage = event.origin_stage
-            self._alerts.append(alert)
+            self._alerts.append(
+                Alert(
+                    event.step,
+                    event.rule,
+                    event.severity,
+                    event.message,
+                    event.layer,
+                    event.origin_layer,
+                    event.origin_stage,
+                )
+            )
 
     def run_data(self, name: str, source: str, run_id: str = "") -> RunData:
         layers = list(self._layers)
