@@ -454,7 +454,13 @@ class SpooledCourier(SinkCourier):
         sink does once every item went (``ending its run (...)``)."""
         if self._ending is not None:
             return self._ending
-        return ", ".join(filter(None, (_lane_left(self.spool, lane) for lane in self._lanes)))
+        told = ", ".join(filter(None, (_lane_left(self.spool, lane) for lane in self._lanes)))
+        if told:
+            return told
+        try:  # every item went and the flush or close is next: it is what the sink waits on
+            return _DOING.get(self._calls[0][0], "")
+        except IndexError:
+            return ""
 
     def _end(self, complete: bool, outcome: str | None = None) -> None:
         if outcome is not None:
