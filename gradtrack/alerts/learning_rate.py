@@ -2,9 +2,11 @@
 
 Two findings, whichever comes first: a logged step whose median layer moved by more than
 ``oversized`` × its weights (the weights are redrawn, not trained: no warmup, a rate far too
-high), or a collapse — layers whose gradient was flowing at the last logged step and is now
-exactly zero, right after updates above ``elevated`` × their weights. Either opens the
-`Incident` that later events of the same run point to (`gradtrack.alerts.story`).
+high), or a collapse — layers going dead right after updates above ``elevated`` × their
+weights. A layer goes dead when its gradient, flowing at the last logged step, is now exactly
+zero, or as good as zero (`VANISHED`) beside a layer that kept its gradient: the flow stops
+inside the model. Either
+opens the `Incident` that later events of the same run point to (`gradtrack.alerts.story`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
 MOST_MOVED = 3  # layers an event names as those that moved most
+# A layer is as good as dead when its gradient norm fell below VANISHED × its level of the
+# last logged steps while another layer kept more than KEPT × its own; where every layer
+# fell (a model that fits its data) none is.
+VANISHED = 1e-6
+KEPT = 1e-2
 _TRY = (
     "Try: a lower learning rate (3-10x lower), a warmup, and gradient clipping "
     "(torch.nn.utils.clip_grad_norm_)."
@@ -38,23 +45,25 @@ class LearningRateCheck(Check):
         self.story = story
         n = len(book.names)
         self._flowing = np.zeros(n, dtype=bool)
-        self._ratios: deque[tuple[int, np.ndarray]] = deque(
-            maxlen=book.rules.learning_rate.lookback
-        )
+        lookback = book.rules.learning_rate.lookback
+        self._ratios: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
+        self._norms: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
         self._total = math.nan
 
     def check(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
         """This step's finding, if any; the state moves on either way."""
         ratios = record.update_ratios()
-        norms = record.column("norm")
+        norms = np.full(len(self.book.names), np.nan)
+        norms[idx] = record.column("norm")
         events: list[AlertEvent] = []
         if ratios is not None:
             full = np.full(len(self.book.names), np.nan)
             full[idx] = np.where(self.book.enabled("learning_rate", idx), ratios, np.nan)
             if self.book.rule("learning_rate", None).enabled:
-                events = self._oversized(record, full) or self._collapse(record, idx, full)
+                events = self._oversized(record, full) or self._collapse(record, norms, full)
             self._ratios.append((record.step, full))
-        self._flowing[idx] = np.isfinite(norms) & (norms > 0)
+        self._flowing[idx] = np.isfinite(norms[idx]) & (norms[idx] > 0)
+        self._norms.append((record.step, norms))
         if math.isfinite(record.total_norm):
             self._total = record.total_norm
         return events
@@ -82,39 +91,68 @@ class LearningRateCheck(Check):
         )
 
     def _collapse(
-        self, record: StepRecord, idx: np.ndarray, ratios: np.ndarray
+        self, record: StepRecord, norms: np.ndarray, ratios: np.ndarray
     ) -> list[AlertEvent]:
         rule = self.book.rule("learning_rate", None)
-        norms = record.column("norm")
-        went_dead = idx[(norms == 0.0) & self._flowing[idx]]
-        if len(went_dead) == 0 or not self._ratios:
+        went_dead = np.flatnonzero((norms == 0.0) & self._flowing)
+        fading, kept = self._fading(norms)
+        dying = np.union1d(went_dead, fading)
+        if len(dying) == 0 or not self._ratios:
             return []
-        # The updates before the collapse are its evidence (this step's came after it).
-        window = np.stack([r for _, r in self._ratios])
+        # The updates before the collapse are its evidence, and so is this step's: the
+        # optimizer's state (momentum, Adam's moments) carries the steps that led to it.
+        steps = [s for s, _ in self._ratios] + [record.step]
+        window = np.stack([r for _, r in self._ratios] + [ratios])
         window = np.where(np.isfinite(window), window, -np.inf)
         moved = window.max(axis=0)
-        culprits = went_dead[moved[went_dead] > rule.elevated]
+        culprits = dying[moved[dying] > rule.elevated]
         if len(culprits) == 0:
             return []
         top = self._most_moved(culprits, moved)
         names = [self.book.names[j] for j in culprits[np.argsort(-moved[culprits])]]
-        large = [
-            s for (s, _), row in zip(self._ratios, window) if (row[culprits] > rule.elevated).any()
-        ]
+        large = [s for s, row in zip(steps, window) if (row[culprits] > rule.elevated).any()]
         first, last = large[0], large[-1]
-        steps = f"step {last}" if first == last else f"steps {first}-{last}"
-        previous = self._ratios[-1][0]
+        during = f"step {last}" if first == last else f"steps {first}-{last}"
         message = (
-            f"{listed(names)} went dead at step {record.step} (gradient exactly zero; it "
-            f"flowed at step {previous}) right after updates of up to {moved[top[0]]:.3g}x "
-            f"{'its' if len(names) == 1 else 'their'} weights at {steps} (healthy layers move "
-            "about 1e-3 of theirs per step): the learning rate is too high — the updates "
-            "overshot and switched units off. The total gradient norm went "
-            f"{self._total:.3g} -> {record.total_norm:.3g}. {_TRY}"
+            f"{listed(names)} went dead at step {record.step} "
+            f"({self._how_dead(culprits, went_dead, norms, kept)}) right after updates of up "
+            f"to {moved[top[0]]:.3g}x {'its' if len(names) == 1 else 'their'} weights at "
+            f"{during} (healthy layers move about 1e-3 of theirs per step): the learning rate "
+            "is too high — the updates overshot and switched units off. The total gradient "
+            f"norm went {self._total:.3g} -> {record.total_norm:.3g}. {_TRY}"
             + (f" Restart from a checkpoint before step {first}:" if first > 0 else " Restart:")
             + " dead units rarely come back."
         )
         return self._emit(record, names, float(moved[top[0]]), rule.elevated, first, message)
+
+    def _fading(self, norms: np.ndarray) -> tuple[np.ndarray, int | None]:
+        """Layers whose norm fell below `VANISHED` × its highest of the last logged steps
+        while the best-kept layer kept more than `KEPT` × its own (and that layer's position)."""
+        if not self._norms:
+            return np.array([], dtype=np.int64), None
+        recent = np.stack([n for _, n in self._norms])
+        recent = np.where(np.isfinite(recent), recent, -np.inf).max(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where((recent > 0) & np.isfinite(norms), norms / recent, np.nan)
+        if not np.isfinite(share).any():
+            return np.array([], dtype=np.int64), None
+        kept = int(np.nanargmax(share))
+        if share[kept] < KEPT:  # every layer fell: a model that fits its data
+            return np.array([], dtype=np.int64), None
+        return np.flatnonzero((share <= VANISHED) & (norms > 0)), kept
+
+    def _how_dead(
+        self, culprits: np.ndarray, went_dead: np.ndarray, norms: np.ndarray, kept: int | None
+    ) -> str:
+        previous = self._norms[-1][0]
+        if np.isin(culprits, went_dead).all() or kept is None:
+            return f"gradient exactly zero; it flowed at step {previous}"
+        lowest = culprits[np.argmin(norms[culprits])]
+        return (
+            f"gradient norm down to {norms[lowest]:.3g} in {self.book.names[lowest]} from "
+            f"{max(n[lowest] for _, n in self._norms):.3g} in the last logged steps, while "
+            f"{self.book.names[kept]} kept its gradient"
+        )
 
     def _most_moved(self, candidates: np.ndarray, ratios: np.ndarray) -> np.ndarray:
         return candidates[np.argsort(-ratios[candidates])][:MOST_MOVED]

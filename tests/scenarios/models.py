@@ -81,13 +81,16 @@ def _train(
 
 
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
-    """``adam``, ``adamw`` (no warmup: the rate from the first step), ``sgd``, or
-    ``momentum`` (SGD with momentum 0.9)."""
+    """``adam``, ``adamw`` (no warmup: the rate from the first step), ``rmsprop``, ``sgd``,
+    ``momentum`` (SGD with momentum 0.9) or ``nesterov`` (the same, Nesterov's)."""
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
-    return torch.optim.SGD(params, lr, momentum=0.9 if name == "momentum" else 0.0)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr)
+    momentum = 0.0 if name == "sgd" else 0.9
+    return torch.optim.SGD(params, lr, momentum=momentum, nesterov=name == "nesterov")
 
 
 def regression_batch(width: int, batch_size: int = 32) -> Batch:
@@ -344,6 +347,50 @@ def prototype_batch(batch_size: int = 16, noise: float = 1.0) -> Batch:
         return noisy, labels
 
     return batch
+
+
+def image_mlp() -> nn.Sequential:
+    """A ReLU MLP on the flattened 3×32×32 images of `prototype_batch`."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(3 * 32 * 32, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
+def wide_cnn() -> nn.Sequential:
+    """Wider than the quickstart CNN, with a hidden dense layer: 5×5 then 3×3 convolutions."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(4),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
+def batchnorm_cnn() -> nn.Sequential:
+    """The quickstart CNN with a BatchNorm after each convolution."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 10),
+    )
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
