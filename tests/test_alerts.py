@@ -161,7 +161,7 @@ def test_layers_tripping_together_make_one_event_led_by_the_worst() -> None:
     assert event.value == pytest.approx(norms[event.layer])
     more = len(starving) - 1
     assert event.title == f"gradtrack: vanishing in {event.layer} and {more} more layers"
-    assert f"vanishing in {len(starving)} layers at once" in event.message
+    assert f"Vanishing in {len(starving)} layers at once" in event.message
     assert "and " + str(len(starving) - 9) + " more" in event.message
 
 
@@ -217,7 +217,7 @@ def test_jump_names_the_weak_side_of_a_break() -> None:
     # Layers 0 and 2 get 1e-4 of the gradient; 5 (whose input is scaled, but not its bias's
     # gradient) and 7 do not: the break is between 2 and 5, and 2 is the weak side.
     assert event.layer == "2" and event.value > 100.0
-    assert event.message.startswith("gradient flow breaks between 2 and 5")
+    assert event.message.startswith("Gradient flow breaks between 2 and 5")
 
 
 def test_glob_overrides_apply_per_layer() -> None:
@@ -313,7 +313,7 @@ def test_amp_overflow_steps_are_info_and_summaries_unscaled() -> None:
     assert skipped == [0, 1]  # the scale starts too high for fp16, then settles
     infos = only(sink.events, "amp")
     assert [e.severity for e in infos] == ["info"] * len(infos) and len(infos) == len(skipped)
-    assert infos[0].message == "overflow: step skipped, scale 1.04858e+06→524288"
+    assert infos[0].message == "Overflow: step skipped, scale 1.04858e+06→524288."
     assert not only(sink.events, "nonfinite")  # a skipped overflow is not an error
     applied = [r for r in sink.records if r.amp_skipped is False]
     assert applied and all(0 < r.total_norm < 100 for r in applied)  # unscaled, not ×2^30

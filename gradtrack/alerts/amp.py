@@ -6,6 +6,7 @@ from __future__ import annotations
 from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.rulebook import RuleBook
+from gradtrack.alerts.wording import counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
@@ -33,7 +34,7 @@ class AmpCheck(Check):
                 record, "amp", None, statistic="skipped_steps", value=float(self._skips),
                 threshold=float(rule.max_skips),
                 message=(
-                    f"GradScaler skipped {self._skips} steps in a row ({change}): the "
+                    f"GradScaler skipped {counted(self._skips, 'step')} in a row ({change}): the "
                     "gradients overflow whatever the scale. The model itself produces Inf/NaN: "
                     "check the forward numerics, lower the learning rate, or train in bf16."
                 ),
@@ -41,5 +42,5 @@ class AmpCheck(Check):
         return self.cooldowns.emit(
             record, "amp", None, statistic="skipped_steps", value=float(self._skips),
             threshold=float(rule.max_skips), severity="info",
-            message=f"overflow: step skipped, {change}",
+            message=f"overflow: step skipped, {change}.",
         )  # fmt: skip

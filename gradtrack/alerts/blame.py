@@ -37,7 +37,7 @@ class BackwardOrder:
             stage = "loss"
         else:
             stage = "backward"
-        if not bad:
+        if not bad or stage == "loss":  # no layer made it: the loss did
             return None, stage
         unknown = len(self._position)
         # Nearest the loss: first in backward order; never seen there → deepest in the model.

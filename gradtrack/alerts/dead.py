@@ -11,6 +11,7 @@ from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.patience import Runs
 from gradtrack.alerts.rulebook import RuleBook
+from gradtrack.alerts.wording import counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
@@ -65,7 +66,7 @@ class DeadCheck(Check):
         return self.cooldowns.emit(
             record, "dead", layer, statistic="norm", value=0.0, threshold=0.0,
             message=(
-                f"gradient of {layer} has been exactly zero for {run} logged steps.{where} "
-                f"{cause}"
+                f"gradient of {layer} has been exactly zero for "
+                f"{counted(run, 'logged step')}.{where} {cause}"
             ),
         )  # fmt: skip

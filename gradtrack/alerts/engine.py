@@ -29,6 +29,7 @@ from gradtrack.alerts.spikes import SpikeCheck
 from gradtrack.alerts.story import Story
 from gradtrack.alerts.update_ratio import UpdateRatioCheck
 from gradtrack.alerts.vanishing import VanishingCheck
+from gradtrack.alerts.wording import sentence
 from gradtrack.config.rules import AlertRules
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
@@ -97,4 +98,6 @@ class AlertEngine:
         if math.isfinite(record.total_norm):
             self._total_norms.append(record.total_norm)
         events = self._story.tell(record.step, merge_layers(events, self._book))
-        return told_skipped(record, events, self._book, self.rank) if record.skipped_by else events
+        if record.skipped_by:
+            events = told_skipped(record, events, self._book, self.rank)
+        return [e.model_copy(update={"message": sentence(e.message)}) for e in events]

@@ -39,12 +39,12 @@ class ExplodingCheck(Check):
             return []  # non-finite norms belong to the nonfinite rule
         history = [n for n in self.total_norms if n <= rule.threshold]
         clip = float(np.percentile(history, 90)) if history else rule.threshold / 10
-        name = layer or "the total gradient"
+        name = f"gradient norm of {layer}" if layer else "total gradient norm"
         return self.cooldowns.emit(
             record, "exploding", layer, statistic="norm" if layer else "total_norm",
             value=norm, threshold=rule.threshold,
             message=(
-                f"gradient norm of {name} is {norm:.3g}, above {rule.threshold:.3g}. Try: a lower "
+                f"{name} is {norm:.3g}, above {rule.threshold:.3g}. Try: a lower "
                 "learning rate, or clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), "
                 f"max_norm={clip:.2g}) (the 90th percentile of the total norms seen so far)."
             ),

@@ -13,6 +13,7 @@ from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.kinds import LayerKinds
 from gradtrack.alerts.rulebook import RuleBook
+from gradtrack.alerts.wording import counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
@@ -70,7 +71,7 @@ class FlowCheck(Check):
             return (
                 f"gradient vanishes along depth: the first {kind} layers ({first_names}) get "
                 f"{ratio:.3g}× the gradient RMS of the last ones ({last_names}) — {span} lost "
-                f"gradually, for {abs(self._run)} logged steps: the first layers barely "
+                f"gradually, for {counted(abs(self._run), 'logged step')}: the first layers barely "
                 "learn. Try: non-saturating activations (ReLU/GELU instead of sigmoid/tanh), "
                 "residual connections, normalisation (LayerNorm/BatchNorm), and a "
                 "variance-preserving initialisation (Kaiming for ReLU, Xavier for tanh)."
@@ -80,7 +81,7 @@ class FlowCheck(Check):
         return (
             f"gradient explodes along depth: the first {kind} layers ({first_names}) get "
             f"{ratio:.3g}× the gradient RMS of the last ones ({last_names}) — {span} "
-            f"gained, for {abs(self._run)} logged steps. Try: clipping, "
+            f"gained, for {counted(abs(self._run), 'logged step')}. Try: clipping, "
             f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip:.2g}) (the "
             "median total norm so far), a lower learning rate, normalisation "
             "(LayerNorm/BatchNorm), or a smaller initialisation."

@@ -78,9 +78,12 @@ class LearningRateCheck(Check):
             return []
         top = self._most_moved(known, ratios)
         names = [self.book.names[j] for j in top]
+        most = f"{names[0]}, by {ratios[top[0]]:.3g}x" + (
+            f", then {listed(names[1:])}" if len(names) > 1 else ""
+        )
         message = (
             f"at step {record.step} one update moved the median layer by {median:.3g}x its "
-            f"weights' norm (most: {listed(names)}, {ratios[top[0]]:.3g}x; healthy layers "
+            f"weights' norm (most: {most}; healthy layers "
             f"move about 1e-3 of theirs per step): the learning rate is far too high"
             f"{' for the start of training' if len(self._ratios) < 2 else ''} — the weights "
             "are redrawn, not trained (Adam's first steps move every weight by about the "
@@ -114,7 +117,8 @@ class LearningRateCheck(Check):
         first, last = large[0], large[-1]
         during = f"step {last}" if first == last else f"steps {first}-{last}"
         message = (
-            f"{listed(names)} went dead at step {record.step} "
+            f"{'Layer' if len(names) == 1 else 'Layers'} {listed(names)} went dead at step "
+            f"{record.step} "
             f"({self._how_dead(culprits, went_dead, norms, kept)}) right after updates of up "
             f"to {moved[top[0]]:.3g}x {'its' if len(names) == 1 else 'their'} weights at "
             f"{during} (healthy layers move about 1e-3 of theirs per step): the learning rate "

@@ -14,7 +14,7 @@ from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.diagnosis import nonfinite_diagnosis
 from gradtrack.alerts.rulebook import RuleBook
-from gradtrack.alerts.wording import SHOWN_LAYERS, listed
+from gradtrack.alerts.wording import counted, listed
 from gradtrack.formats.event import AlertEvent, Stage
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.trips import nonfinite_columns
@@ -81,7 +81,7 @@ class NonFiniteCheck(Check):
             fix = "find the first non-finite step (grad/nan_count, grad/inf_count)"
         return (
             f"{kind} gradient because the weights are non-finite: {listed(weights)} "
-            f"({len(weights)} layer(s)) hold NaN/Inf {since}. Every forward and backward "
+            f"({counted(len(weights), 'layer')}) hold NaN/Inf {since}. Every forward and backward "
             f"since is non-finite, whatever the batch: the run cannot recover by itself. "
             f"{counts}. Try: stop, restore a checkpoint from before that step, {fix}, and keep "
             "bad updates out of the weights: alerts={'nonfinite': {'action': 'raise'}}, "
@@ -91,11 +91,12 @@ class NonFiniteCheck(Check):
 
 def _counts(record: StepRecord, bad: list[str], nan: int, inf: int, kind: str) -> str:
     """How many elements, in which layers, and what activations and ranks add to that."""
-    shown = ", ".join(bad[:SHOWN_LAYERS])
-    counts = f"{nan} NaN and {inf} Inf in {len(bad)} layer(s): {shown}"
+    shown = listed(bad)
+    elements = " and ".join(f"{n:,} {k}" for n, k in ((nan, "NaN"), (inf, "Inf")) if n)
+    counts = f"{elements or kind} in {counted(len(bad), 'layer')}: {shown}"
     if not record.counted:
         counts = (
-            f"{kind} in {len(bad)} layer(s): {shown} (elements not counted: "
+            f"{kind} in {counted(len(bad), 'layer')}: {shown} (elements not counted: "
             "a step between logged steps, latched on the accelerator)"
         )
     if record.activation_origin is not None:

@@ -26,14 +26,14 @@ class SpikeCheck(Check):
         for column in np.flatnonzero(record.spiking):
             layer = None if column == 0 else self.book.names[column - 1]
             z, typical = float(record.spike_z[column]), float(record.spike_typical[column])
-            name = layer or "the total gradient"
+            name = f"gradient norm of {layer}" if layer else "total gradient norm"
             norm = record.total_norm if layer is None else _layer_norm(record, layer)
             rule = self.book.rule("spike", layer)
             events += self.cooldowns.emit(
                 record, "spike", layer, statistic="norm" if layer else "total_norm",
                 value=norm, threshold=typical * rule.ratio,
                 message=(
-                    f"gradient norm of {name} spiked to {norm:.3g} at step {record.step}: "
+                    f"{name} spiked to {norm:.3g} at step {record.step}: "
                     f"{norm / typical:.1f}x its typical {typical:.3g} over the last {window} "
                     f"steps, {z:.1f} standard deviations above (log scale). Gradient-norm "
                     "spikes come before loss spikes: a bad batch (look at this step's data), "

@@ -10,6 +10,7 @@ from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.patience import Runs
 from gradtrack.alerts.rulebook import RuleBook
 from gradtrack.alerts.story import Incident
+from gradtrack.alerts.wording import counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
@@ -54,13 +55,13 @@ def _finding(layer: str, ratio: float, limit: float, run: int, fast: bool, cause
     if fast:
         return (
             f"each step moves {layer}'s weights by {ratio:.3g} of their norm, above "
-            f"{limit:.3g}, for {run} logged steps: it learns too fast (healthy "
+            f"{limit:.3g}, for {counted(run, 'logged step')}: it learns too fast (healthy "
             "layers sit near 1e-3). Try: a lower learning rate for it (a parameter "
             "group), a longer warmup, or clipping."
         )
     slow = (
         f"each step moves {layer}'s weights by only {ratio:.3g} of their norm, "
-        f"below {limit:.3g}, for {run} logged steps: it barely learns "
+        f"below {limit:.3g}, for {counted(run, 'logged step')}: it barely learns "
         "(healthy layers sit near 1e-3)."
     )
     if caused:  # after a too-high learning rate, never advise a higher one

@@ -9,6 +9,7 @@ from gradtrack.alerts.check import Check
 from gradtrack.alerts.cooldown import Cooldowns
 from gradtrack.alerts.patience import Runs
 from gradtrack.alerts.rulebook import RuleBook
+from gradtrack.alerts.wording import counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
@@ -34,10 +35,10 @@ class VanishingCheck(Check):
                 threshold=float(threshold[j]),
                 message=(
                     f"gradient norm of {layer} is {norm:.3g}, below {threshold[j]:.3g} "
-                    f"for {runs[j]} logged steps: it barely learns. Try: residual connections, "
-                    "normalisation (LayerNorm/BatchNorm), a better initialisation "
-                    "(Kaiming/Xavier), or non-saturating activations (ReLU/GELU instead of "
-                    "sigmoid/tanh)."
+                    f"for {counted(int(runs[j]), 'logged step')}: it barely learns. Try: "
+                    "residual connections, normalisation (LayerNorm/BatchNorm), a better "
+                    "initialisation (Kaiming/Xavier), or non-saturating activations (ReLU/GELU "
+                    "instead of sigmoid/tanh)."
                 ),
             )  # fmt: skip
         return events

@@ -90,8 +90,9 @@ class UpdateRatioRule(Rule):
 class LearningRateRule(Rule):
     """The learning rate named as the cause, from the update signals: a logged step whose
     median layer moved by more than ``oversized`` × its weights' norm (healthy ≈ 1e-3), or
-    layers whose gradient had been flowing and is now exactly zero right after updates above
-    ``elevated`` × their weights (at the last ``lookback`` logged steps) — a collapse."""
+    layers whose gradient had been flowing and is now (as good as) zero right after updates
+    above ``elevated`` × their weights (at the last ``lookback`` logged steps and this one) —
+    a collapse."""
 
     oversized: PositiveFloat = Field(
         1.0, description="Median layer's update/weight ratio at one logged step."

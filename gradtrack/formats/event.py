@@ -71,6 +71,8 @@ class AlertEvent(BaseModel):
                 where += f" and {more} more layer{'s' if more > 1 else ''}"
         elif self.layers:
             where = f" in {len(self.layers)} layer{'s' if len(self.layers) > 1 else ''}"
+        elif self.statistic == "total_norm":
+            where = " in the total gradient norm"
         if self.origin_stage == "loss" and self.origin_layer is None:
             where += ", made by the loss"
         return f"gradtrack: {self.rule}{where}"

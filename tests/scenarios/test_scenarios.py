@@ -88,7 +88,7 @@ def test_gradual_vanishing_through_eight_sigmoids_trips_flow() -> None:
     run = m.train(m.sigmoid_mlp(), m.regression_batch(32), m.mse, 30, optimizer="sgd", lr=0.01)
     event = one(run.events("flow"))
     assert (event.step, event.layer, event.severity) == (20, "0", "warning")  # patience 3
-    assert event.value < 1e-3 and event.message.startswith("gradient vanishes along depth")
+    assert event.value < 1e-3 and event.message.startswith("Gradient vanishes along depth")
     for fix in ("ReLU/GELU", "residual", "normalisation", "initialisation"):
         assert fix in event.message
     assert not run.events("jump")  # gradual: no single break
