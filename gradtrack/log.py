@@ -45,8 +45,10 @@ def show_in_terminal() -> None:
 
 
 def warn(message: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 2) -> None:
-    """`warnings.warn` that never raises: gradtrack warns from the training thread and its own
-    threads, where a warning filter set to "error" must not stop training or delivery."""
+    """`warnings.warn` that never raises, for what the user's own code can change (a model
+    compiled after watch, an optimizer stepped late): gradtrack warns from the training
+    thread and its own threads, where a warning filter set to "error" must not stop training
+    or delivery. A fault of gradtrack's or of a tracker is `report`'s."""
     try:
         warnings.warn(message, category, stacklevel=stacklevel + 1)
     except Exception:

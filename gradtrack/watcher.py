@@ -44,7 +44,7 @@ from gradtrack.errors import GradtrackError
 from gradtrack.handoff.drops import DropCount
 from gradtrack.handoff.mailbox import Mailbox
 from gradtrack.lifecycle import Outcome, outcome_of
-from gradtrack.log import logger, report, warn
+from gradtrack.log import logger, report
 from gradtrack.sinks.base import GradientSink
 from gradtrack.sinks.build import finish_in_caller_thread
 from gradtrack.worker.assemble import Assembler
@@ -246,7 +246,7 @@ class Watcher:
         self.collect_errors += 1
         if self.collect_errors == 1:
             message = f"gradtrack could not collect step {step}: {exc!r}; training goes on"
-            warn(message, stacklevel=4)
+            report(message)
 
     # -- lifecycle ----------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -271,7 +271,7 @@ class Watcher:
         lifecycle.closed(self)
         timeout_s = self.config.flush_timeout_s
         if not self.worker.request("stop", timeout_s, outcome):
-            warn(
+            report(
                 f"gradtrack's delivery made no progress for flush_timeout_s={timeout_s:g} s "
                 "(a tracker is away); " + self.worker.sync_hint()
             )

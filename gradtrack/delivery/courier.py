@@ -20,11 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradtrack.alerts import AlertEvent
-from gradtrack.config.redact import redact
 from gradtrack.delivery.spool import Item, Spool
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.drops import DropCount
-from gradtrack.log import warn
+from gradtrack.log import report
 from gradtrack.sinks.base import GradientSink, TrackerSink, as_sink_base
 
 _Call = tuple[str, tuple[Any, ...], "threading.Event | None"]
@@ -417,7 +416,7 @@ class SpooledCourier(SinkCourier):
             message = f"{self._name} failed: {error!r} (and {exc!r})"
         if not self._outage:
             self._outage = True
-            warn(redact(message))
+            report(message)
 
     def _recovered(self) -> None:
         self._backoff_s, self._retry_at = 0.0, 0.0

@@ -25,7 +25,6 @@ from typing import Any
 
 from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
-from gradtrack.config.redact import redact
 from gradtrack.extras import require_module
 from gradtrack.formats.atomic import write_atomic
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
@@ -42,7 +41,7 @@ from gradtrack.formats.mlflow import (
     tag_key,
 )
 from gradtrack.formats.record import StepRecord
-from gradtrack.log import warn
+from gradtrack.log import report
 from gradtrack.sinks.base import TrackerSink
 from gradtrack.sinks.flight_files import stage_window, window_series
 from gradtrack.sinks.mlflow_auth import refusal_message
@@ -205,7 +204,7 @@ class MlflowSink(TrackerSink):
             if complete:
                 self._run.end(self.outcome)
         except Exception as exc:
-            warn(redact(f"gradtrack could not finish its MLflow run {self.run_id}: {exc!r}"))
+            report(f"gradtrack could not finish its MLflow run {self.run_id}: {exc!r}")
         finally:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._run.close()
@@ -227,7 +226,7 @@ class MlflowSink(TrackerSink):
                     )
             except PermanentError as exc:
                 self.rejected += 1
-                warn(redact(f"MLflow refused a request of gradtrack's, dropped: {exc}"))
+                report(f"MLflow refused a request of gradtrack's, dropped: {exc}")
             sending.requests.pop(0)
 
     def _requests(self, batch: Sequence[StepRecord | AlertEvent]) -> list[Request]:

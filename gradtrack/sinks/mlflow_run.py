@@ -17,7 +17,7 @@ from pathlib import Path
 from gradtrack import lifecycle
 from gradtrack.config import MlflowOptions
 from gradtrack.config.redact import redact
-from gradtrack.log import logger, warn
+from gradtrack.log import logger, report
 from gradtrack.sinks.mlflow_tracking import Tracking, connect
 
 
@@ -71,11 +71,9 @@ class MlflowRun:
             self.start()
             mlflow.start_run(run_id=self.run_id)
         except Exception as exc:
-            warn(
-                redact(
-                    f"gradtrack could not start its MLflow run now ({exc!r}); it starts it at "
-                    "its first write, and your own mlflow.* calls go to a run of their own"
-                )
+            report(
+                f"gradtrack could not start its MLflow run now ({exc!r}); it starts it at "
+                "its first write, and your own mlflow.* calls go to a run of their own"
             )
             return
         self.shares_run = True
@@ -138,7 +136,7 @@ class MlflowRun:
             self.connection().end_run(self.run_id, outcome)
             self.ended = True
         except Exception as exc:
-            warn(redact(f"gradtrack could not end MLflow run {self.run_id}: {exc!r}"))
+            report(f"gradtrack could not end MLflow run {self.run_id}: {exc!r}")
 
     def end_shared(self, outcome: str) -> None:
         """The run gradtrack started stops being MLflow's active run in the calling thread,
@@ -187,7 +185,7 @@ def _close_watchers_before_mlflow_exits() -> None:
         try:
             run.end_shared(outcome)
         except Exception as exc:
-            warn(redact(f"gradtrack could not end MLflow run {run.run_id}: {exc!r}"))
+            report(f"gradtrack could not end MLflow run {run.run_id}: {exc!r}")
 
 
 def portable_uri(uri: str | None) -> str | None:

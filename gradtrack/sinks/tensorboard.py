@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,25 @@ from gradtrack.formats.tensorboard import (
 )
 from gradtrack.sinks.base import SinkBase
 from gradtrack.sinks.runbook import RunBook
+
+# The writer threads of the SummaryWriters gradtrack made: a write error that ends one (a full
+# disk) is raised again in the sink's next write, flush or close, which reports it once; the
+# thread's own traceback would tell it a second time.
+_WRITER_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_previous_hook = threading.excepthook
+
+
+def _quiet_write_errors(threads: set[threading.Thread]) -> None:
+    global _previous_hook
+    _WRITER_THREADS.update(threads)
+    if threading.excepthook is not _excepthook:
+        _previous_hook, threading.excepthook = threading.excepthook, _excepthook
+
+
+def _excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.thread in _WRITER_THREADS and isinstance(args.exc_value, OSError):
+        return  # told by the sink, as a fault of gradtrack's delivery
+    _previous_hook(args)
 
 
 def is_summary_writer(backend: object) -> bool:
@@ -76,7 +97,9 @@ class TensorboardSink(SinkBase):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            before = set(threading.enumerate())
             self._writer = SummaryWriter(log_dir=str(self.options.log_dir or default_log_dir()))
+            _quiet_write_errors(set(threading.enumerate()) - before)
         return self._writer
 
     @property

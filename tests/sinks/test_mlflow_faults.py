@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,23 +46,21 @@ def train_through_fault(
     closed (after the fault)."""
     model = nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # "cannot reach MLflow": expected
-        watcher = gradtrack.watch(
-            model, backend="mlflow", optimizer=optimizer, log_every=1, histograms=False,
-            flush_timeout_s=120, mlflow={"tracking_uri": uri, "retry_max_s": 2},
-        )  # fmt: skip
-        faulting = threading.Thread(target=inject)
-        for step in range(STEPS):
-            if step == fault_at:
-                before(watcher)
-                faulting.start()
-            optimizer.zero_grad()
-            model(torch.randn(8, 16)).pow(2).mean().backward()
-            optimizer.step()
-            time.sleep(STEP_S)
-        faulting.join()
-        watcher.close()
+    watcher = gradtrack.watch(
+        model, backend="mlflow", optimizer=optimizer, log_every=1, histograms=False,
+        flush_timeout_s=120, mlflow={"tracking_uri": uri, "retry_max_s": 2},
+    )  # fmt: skip
+    faulting = threading.Thread(target=inject)
+    for step in range(STEPS):
+        if step == fault_at:
+            before(watcher)
+            faulting.start()
+        optimizer.zero_grad()
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        optimizer.step()
+        time.sleep(STEP_S)
+    faulting.join()
+    watcher.close()
     return watcher
 
 
