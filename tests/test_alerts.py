@@ -404,3 +404,29 @@ def test_activation_gradient_flow_matches_reference_and_refines_the_origin() -> 
     (event,) = only(sink.events, "nonfinite")
     assert sink.records[0].activation_origin == "2"
     assert "first non-finite activation gradient was at the output of 2" in event.message
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.body(x).relu()
+        return self.a(hidden), self.b(hidden)
+
+
+def test_a_record_holds_the_norm_of_the_gradient_reaching_the_model_output() -> None:
+    """The learning-rate rule tells a fit (the loss sends little) from a collapse (layers stop
+    passing on what the loss sends) by it: every output's gradient, one norm together."""
+    torch.manual_seed(0)
+    model, sink, expected = TwoHeads(), MemorySink(), []
+    with gradtrack.watch(model, backend=sink, log_every=2):
+        for step in range(6):
+            a, b = model(torch.randn(5, 4))
+            a.retain_grad(), b.retain_grad()
+            (a.pow(2).mean() + 3 * b.sum()).backward()
+            if step % 2 == 0:
+                expected.append(float(torch.hypot(a.grad.norm(), b.grad.norm())))
+    assert [r.step for r in sink.records] == [0, 2, 4]
+    assert [r.output_grad_norm for r in sink.records] == pytest.approx(expected, rel=1e-6)

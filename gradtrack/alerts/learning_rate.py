@@ -4,9 +4,12 @@ Two findings, whichever comes first: a logged step whose median layer moved by m
 ``oversized`` × its weights (the weights are redrawn, not trained: no warmup, a rate far too
 high), or a collapse — layers going dead right after updates above ``elevated`` × their
 weights. A layer goes dead when its gradient, flowing at the last logged step, is now exactly
-zero, or as good as zero (`VANISHED`) beside a layer that kept its gradient: the flow stops
-inside the model. Either
-opens the `Incident` that later events of the same run point to (`gradtrack.alerts.story`).
+zero, or when its norm fell `FELL` times below its level of the last logged steps while the
+gradient reaching the model output kept more than `OUTPUT_KEPT` of its own: the loss still
+sends gradient, the layers stop passing it on (a model that fits its data lowers both
+together). Where the output's gradient is not observed, as good as zero (`VANISHED`) beside
+a layer that kept its gradient. Either opens the `Incident` that later events of the same run
+point to (`gradtrack.alerts.story`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
 MOST_MOVED = 3  # layers an event names as those that moved most
-# A layer is as good as dead when its gradient norm fell below VANISHED × its level of the
-# last logged steps while another layer kept more than KEPT × its own; where every layer
-# fell (a model that fits its data) none is.
+# A layer goes dead when its gradient norm fell below 1/FELL of its level of the last logged
+# steps while the gradient reaching the model output kept more than OUTPUT_KEPT of its own.
+FELL = 100.0
+OUTPUT_KEPT = 0.1
+# Where the output's gradient is not observed: below VANISHED × its level, while another
+# layer kept more than KEPT × its own (where every layer fell, the model fits its data).
 VANISHED = 1e-6
 KEPT = 1e-2
 _TRY = (
@@ -48,6 +54,7 @@ class LearningRateCheck(Check):
         lookback = book.rules.learning_rate.lookback
         self._ratios: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
         self._norms: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
+        self._outputs: deque[float] = deque(maxlen=lookback)  # the output gradient's norms
         self._total = math.nan
 
     def check(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
@@ -64,6 +71,8 @@ class LearningRateCheck(Check):
             self._ratios.append((record.step, full))
         self._flowing[idx] = np.isfinite(norms[idx]) & (norms[idx] > 0)
         self._norms.append((record.step, norms))
+        output = record.output_grad_norm
+        self._outputs.append(math.nan if output is None else output)
         if math.isfinite(record.total_norm):
             self._total = record.total_norm
         return events
@@ -98,7 +107,7 @@ class LearningRateCheck(Check):
     ) -> list[AlertEvent]:
         rule = self.book.rule("learning_rate", None)
         went_dead = np.flatnonzero((norms == 0.0) & self._flowing)
-        fading, kept = self._fading(norms)
+        fading, kept = self._fading(norms, record.output_grad_norm)
         dying = np.union1d(went_dead, fading)
         if len(dying) == 0 or not self._ratios:
             return []
@@ -129,24 +138,32 @@ class LearningRateCheck(Check):
         )
         return self._emit(record, names, float(moved[top[0]]), rule.elevated, first, message)
 
-    def _fading(self, norms: np.ndarray) -> tuple[np.ndarray, int | None]:
-        """Layers whose norm fell below `VANISHED` × its highest of the last logged steps
-        while the best-kept layer kept more than `KEPT` × its own (and that layer's position)."""
+    def _fading(self, norms: np.ndarray, output: float | None) -> tuple[np.ndarray, str | None]:
+        """Layers whose gradient fell away while the loss still sends gradient (see the
+        module's doc), and what kept its gradient meanwhile, in words."""
+        none = np.array([], dtype=np.int64)
         if not self._norms:
-            return np.array([], dtype=np.int64), None
+            return none, None
         recent = np.stack([n for _, n in self._norms])
         recent = np.where(np.isfinite(recent), recent, -np.inf).max(axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where((recent > 0) & np.isfinite(norms), norms / recent, np.nan)
         if not np.isfinite(share).any():
-            return np.array([], dtype=np.int64), None
-        kept = int(np.nanargmax(share))
-        if share[kept] < KEPT:  # every layer fell: a model that fits its data
-            return np.array([], dtype=np.int64), None
+            return none, None
+        outputs = [o for o in self._outputs if math.isfinite(o)]
+        if output is not None and math.isfinite(output) and outputs:
+            if output < OUTPUT_KEPT * max(outputs):  # the loss sends less: it fits its data
+                return none, None
+            kept = f"the gradient reaching the model output kept its size ({output:.3g})"
+            return np.flatnonzero((share <= 1 / FELL) & (norms > 0)), kept
+        best = int(np.nanargmax(share))
+        if share[best] < KEPT:  # every layer fell: a model that fits its data
+            return none, None
+        kept = f"{self.book.names[best]} kept its gradient"
         return np.flatnonzero((share <= VANISHED) & (norms > 0)), kept
 
     def _how_dead(
-        self, culprits: np.ndarray, went_dead: np.ndarray, norms: np.ndarray, kept: int | None
+        self, culprits: np.ndarray, went_dead: np.ndarray, norms: np.ndarray, kept: str | None
     ) -> str:
         previous = self._norms[-1][0]
         if np.isin(culprits, went_dead).all() or kept is None:
@@ -155,7 +172,7 @@ class LearningRateCheck(Check):
         return (
             f"gradient norm down to {norms[lowest]:.3g} in {self.book.names[lowest]} from "
             f"{max(n[lowest] for _, n in self._norms):.3g} in the last logged steps, while "
-            f"{self.book.names[kept]} kept its gradient"
+            f"{kept}"
         )
 
     def _most_moved(self, candidates: np.ndarray, ratios: np.ndarray) -> np.ndarray:

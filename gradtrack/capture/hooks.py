@@ -30,16 +30,19 @@ def _and(previous: Tensor | None, current: Tensor) -> Tensor:
 
 
 class OutputProbe:
-    """Is the model output finite, and is the gradient that reaches it finite?
+    """Is the model output finite, is the gradient that reaches it finite, and how large?
 
-    Together they tell a non-finite forward pass or loss from a backward that broke inside
-    the model. One ``isfinite().all()`` per output tensor, on logged steps only.
+    The flags tell a non-finite forward pass or loss from a backward that broke inside the
+    model; the gradient's L2 norm tells a model that fits its data (the loss sends almost no
+    gradient) from one whose layers stopped passing it on. One ``isfinite().all()`` per
+    output tensor and one norm per output gradient, on logged steps only.
     """
 
     def __init__(self, model: nn.Module, is_due: Callable[[], bool]) -> None:
         self._is_due = is_due
         self.output_finite: Tensor | None = None
         self.output_grad_finite: Tensor | None = None
+        self.output_grad_norm: Tensor | None = None
         self.handle = model.register_forward_hook(self._after_forward)
 
     def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
@@ -55,10 +58,15 @@ class OutputProbe:
     def _output_grad(self, grad: Tensor) -> None:
         with torch.no_grad():
             self.output_grad_finite = _and(self.output_grad_finite, torch.isfinite(grad).all())
+            norm = torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype))
+            previous = self.output_grad_norm
+            self.output_grad_norm = norm if previous is None else torch.hypot(previous, norm)
 
-    def take(self) -> tuple[Tensor | None, Tensor | None]:
-        taken = self.output_finite, self.output_grad_finite
-        self.output_finite = self.output_grad_finite = None
+    def take(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The output's finiteness, its gradient's, and that gradient's norm (None: not
+        seen this step); the probe starts over."""
+        taken = self.output_finite, self.output_grad_finite, self.output_grad_norm
+        self.output_finite = self.output_grad_finite = self.output_grad_norm = None
         return taken
 
 

@@ -201,7 +201,11 @@ class Probes:
         arrived."""
         evidence = StepEvidence(micro_squares=self._micro_squares)
         if self.output is not None:
-            evidence.output_finite, evidence.output_grad_finite = self.output.take()
+            (
+                evidence.output_finite,
+                evidence.output_grad_finite,
+                evidence.output_grad_norm,
+            ) = self.output.take()
         if self.scaler_tap is not None:
             taken = self.scaler_tap.evidence()
             if taken is not None:

@@ -54,6 +54,9 @@ class StepRecord:
     # Forward/loss evidence for non-finite origins: None where it was not observed.
     output_finite: bool | None = None
     output_grad_finite: bool | None = None
+    # The L2 norm of the gradient reaching the model output (the loss's), where observed:
+    # small when the model fits its data, large while its layers pass none on.
+    output_grad_norm: float | None = None
     # With a GradScaler: whether it skipped this step, and its scale before/after.
     amp_skipped: bool | None = None
     amp_scale: float | None = None

@@ -15,14 +15,22 @@ import torch
 from torch import Tensor
 
 # The scalar fields, in the order they travel.
-SCALARS = ("output_finite", "output_grad_finite", "amp_found_inf", "amp_scale", "amp_scale_after")
+SCALARS = (
+    "output_finite",
+    "output_grad_finite",
+    "output_grad_norm",
+    "amp_found_inf",
+    "amp_scale",
+    "amp_scale_after",
+)
 
 
 @dataclass
 class StepEvidence:
     """One step's evidence as device tensors; None where it is unknown.
 
-    Scalars: is the model output finite, is the gradient reaching it finite (`OutputProbe`);
+    Scalars: is the model output finite, is the gradient reaching it finite, and its norm
+    (`OutputProbe`);
     the GradScaler's found-inf count, scale and next scale (`ScalerTap`). Vectors: the
     activation-gradient norms (one per watched module, None where none arrived), every
     replicated rank's local tensor norms (``rank_norms``), every sharded rank's output flags
@@ -36,6 +44,7 @@ class StepEvidence:
 
     output_finite: Tensor | None = None
     output_grad_finite: Tensor | None = None
+    output_grad_norm: Tensor | None = None
     amp_found_inf: Tensor | None = None
     amp_scale: Tensor | None = None
     amp_scale_after: Tensor | None = None
@@ -89,6 +98,7 @@ class HostEvidence:
 
     output_finite: np.ndarray
     output_grad_finite: np.ndarray
+    output_grad_norm: np.ndarray
     amp_found_inf: np.ndarray
     amp_scale: np.ndarray
     amp_scale_after: np.ndarray

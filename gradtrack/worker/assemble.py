@@ -310,6 +310,7 @@ def _evidence_fields(evidence: HostEvidence) -> dict[str, Any]:
     return {
         "output_finite": None if output is None else bool(output),
         "output_grad_finite": None if output_grad is None else bool(output_grad),
+        "output_grad_norm": evidence.scalar("output_grad_norm"),
         "amp_skipped": None if found_inf is None else found_inf > 0,
         "amp_scale": evidence.scalar("amp_scale"),
         "amp_scale_after": evidence.scalar("amp_scale_after"),

@@ -229,9 +229,11 @@ def test_a_deep_llama_without_warmup_is_told_the_learning_rate() -> None:
 
 
 # -- the learning-rate corpus: collapses of other models and optimizers --------------------------
-def collapse_for_good(losses: list[float]) -> int:
-    """The step from which the loss stays near chance (above 1.5) to the end of the run."""
-    return 1 + max(i for i, loss in enumerate(losses) if loss < 1.5)
+def collapse_step_of(losses: list[float], stays: int = 30) -> int:
+    """The first step from which the loss stays near chance or worse (above 1.5, or NaN
+    where it diverged) for ``stays`` steps."""
+    above = [not loss <= 1.5 for loss in losses]
+    return next(i for i in range(len(losses) - stays) if all(above[i : i + stays]))
 
 
 def logged_steps_to(event_step: int, collapse: int, log_every: int = 10) -> int:
@@ -241,19 +243,20 @@ def logged_steps_to(event_step: int, collapse: int, log_every: int = 10) -> int:
 
 
 MODELS = {"cnn": SmallCNN, "wide_cnn": m.wide_cnn, "mlp": m.image_mlp, "bn_cnn": m.batchnorm_cnn}
-LATE = "the layers' gradient is not yet zero at the second logged step: see docs/signals.md"
-COLLAPSES = [  # (model, optimizer, lr, seed): each learns, then collapses for good
+COLLAPSES = [  # (model, optimizer, lr, seed): each learns, then its loss returns to chance
     ("cnn", "momentum", 0.03, 0),  # unstable for 20 steps first
-    ("cnn", "momentum", 0.05, 1),  # at chance, recovers, then collapses for good
+    ("cnn", "momentum", 0.05, 1),  # at chance from ~60, partly recovers, then again at ~107
     ("cnn", "momentum", 0.05, 2),
     ("cnn", "momentum", 0.07, 1),
     ("cnn", "nesterov", 0.05, 0),  # late: at step ~200
     ("wide_cnn", "momentum", 0.05, 0),
     ("mlp", "momentum", 0.2, 0),  # overflows to NaN after the collapse
     ("mlp", "momentum", 0.2, 2),
-    pytest.param("cnn", "momentum", 0.07, 0, marks=pytest.mark.xfail(reason=LATE)),
-    pytest.param("wide_cnn", "momentum", 0.05, 1, marks=pytest.mark.xfail(reason=LATE)),
-    pytest.param("wide_cnn", "momentum", 0.05, 2, marks=pytest.mark.xfail(reason=LATE)),
+    # A few units still pass gradient: the conv layers' norms fall 50-500x, not to zero,
+    # while the gradient reaching the output keeps its size (the loss at chance).
+    ("cnn", "momentum", 0.07, 0),
+    ("wide_cnn", "momentum", 0.05, 1),
+    ("wide_cnn", "momentum", 0.05, 2),
 ]
 
 
@@ -265,8 +268,8 @@ def test_a_collapse_is_told_the_learning_rate_within_two_logged_steps(
     torch.manual_seed(seed)
     batch = m.prototype_batch()
     run = m.train(MODELS[model](), batch, m.cross_entropy, 250, lr=lr, optimizer=optimizer)
-    collapse = collapse_for_good(run.losses)
-    assert min(run.losses[:collapse]) < 0.5 and collapse < 250 - 30  # learnt, then collapsed
+    learnt = next(i for i, loss in enumerate(run.losses) if loss < 0.5)
+    collapse = collapse_step_of(run.losses[learnt:]) + learnt  # learnt, then collapsed
     told = [e for e in run.events("learning_rate") if e.step >= collapse - 9]
     assert told, f"no learning_rate event after the collapse at step {collapse}"
     assert logged_steps_to(told[0].step, collapse) <= 2, (collapse, told[0].step)
