@@ -28,7 +28,12 @@ offline); ``guard`` (gradtrack, ``log_every=10**9`` and no histograms: only the 
 its norms, spike window and flight recorder — memory sink);
 ``defaults`` (memory sink), ``defaults_mlflow`` (MLflow's embedded sqlite store),
 ``defaults_wandb`` (W&B offline); ``every_step`` (``log_every=1``, memory sink) and
-``every_step_mlflow`` (``log_every=1``, MLflow sqlite).
+``every_step_mlflow`` (``log_every=1``, MLflow sqlite). Two more measure a design rather than
+a setting (not in the default set): ``defaults_no_worker`` and ``every_step_no_worker`` are
+``defaults`` and ``every_step`` with the worker dropping each step as it takes it (a step
+that waits for a verdict is answered): what the training process pays once the worker's
+Python (assembly, rules, sinks) no longer runs in it — the bound a worker in a child process
+could reach, before the cost of handing it each step.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ VARIANTS = (
     "every_step",
     "every_step_mlflow",
 )
+DESIGN_VARIANTS = ("defaults_no_worker", "every_step_no_worker")
 CHUNK = 100
 WARMUP = 200
 
@@ -86,9 +92,18 @@ def _watch(variant: str, model: nn.Module, optimizer: Any, work: Path) -> Any:
         return gradtrack.watch(
             model, MemorySink(), optimizer=optimizer, log_every=10**9, histograms={"every": None}
         )
-    if variant in ("defaults", "every_step"):
-        every = 1 if variant == "every_step" else 10
-        return gradtrack.watch(model, MemorySink(), optimizer=optimizer, log_every=every)
+    if variant in ("defaults", "every_step", *DESIGN_VARIANTS):
+        every = 1 if variant.startswith("every_step") else 10
+        watcher = gradtrack.watch(model, MemorySink(), optimizer=optimizer, log_every=every)
+        if variant in DESIGN_VARIANTS:
+
+            def drop(item: Any, records: Any, events: Any) -> None:
+                reply = getattr(item, "reply", None)
+                if reply is not None:
+                    reply.answer(None)
+
+            watcher.worker._process = drop  # type: ignore[attr-defined]
+        return watcher
     if variant in ("defaults_mlflow", "every_step_mlflow"):
         every = 1 if variant == "every_step_mlflow" else 10
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
@@ -208,7 +223,9 @@ def run_child(model: str, variant: str, steps: int, threads: int) -> dict[str, A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["tight", "tiny300"])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + DESIGN_VARIANTS
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -214,3 +215,22 @@ class Told:
 @pytest.fixture
 def told(caplog: pytest.LogCaptureFixture) -> Told:
     return Told(caplog)
+
+
+@contextlib.contextmanager
+def reported() -> Iterator[list[str]]:
+    """The faults gradtrack reports while inside (WARNING and above of its logger), as texts:
+    for helpers and the workers of multi-process tests, where `told` does not reach."""
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logger = logging.getLogger("gradtrack")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

@@ -22,7 +22,7 @@ from torch import nn
 import gradtrack
 from gradtrack.capture.distributed import RankGroup, is_dtensor
 from gradtrack.sinks.memory import MemorySink
-from tests.conftest import reference_stats
+from tests.conftest import reference_stats, reported
 
 RANKS = 2
 PER_RANK = 6
@@ -238,7 +238,7 @@ def _train_on_mesh(rank: int, case: Case) -> dict[str, Any]:
         on_alert=(events := []).append, **case.options,
     )  # fmt: skip
     per_step, expected, full_grads = [], [], []
-    with watcher, warnings.catch_warnings(record=True) as warned:
+    with watcher, warnings.catch_warnings(record=True) as warned, reported() as told:
         warnings.simplefilter("always")
         for step in range(STEPS):
             x, y = (t[rank_slice(replica)] for t in mesh_batch(step, replicas * PER_RANK))
@@ -266,6 +266,7 @@ def _train_on_mesh(rank: int, case: Case) -> dict[str, Any]:
         "expected": expected,
         "full_grads": full_grads,
         "warnings": [str(w.message) for w in warned],
+        "told": told,
         "elements_sent": collectives["sent"],
     }
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import gradtrack
+from tests.conftest import reported
 from tests.sinks.mlflow_server import AuthMlflowServer, MlflowServer, TlsMlflowServer
 from tests.sinks.test_spool import REPO, run_child, stored_steps, sync_cli
 
@@ -88,10 +89,11 @@ def new_user(
 
 
 def train(watcher_options: dict[str, object], steps: int) -> tuple[gradtrack.Watcher, list[str]]:
-    """Train a small model for ``steps`` steps, every one logged; the warnings it gave."""
+    """Train a small model for ``steps`` steps, every one logged; the faults it reported
+    (on gradtrack's logger) and the warnings it gave."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, reported() as told:
         warnings.simplefilter("always")
         watcher = gradtrack.watch(
             model, backend="mlflow", optimizer=optimizer, log_every=1, **watcher_options
@@ -101,7 +103,7 @@ def train(watcher_options: dict[str, object], steps: int) -> tuple[gradtrack.Wat
             model(torch.randn(16, 8)).pow(2).mean().backward()
             optimizer.step()
         watcher.close()
-    return watcher, [str(w.message) for w in caught]
+    return watcher, told + [str(w.message) for w in caught]
 
 
 def assert_nowhere(secret: str, texts: Iterable[str], places: Iterable[Path]) -> None:
