@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-from gradtrack import _moved
 from gradtrack.alerts import AlertEvent
 from gradtrack.api import unwatch, watch
 from gradtrack.config import GradtrackConfig
@@ -28,8 +27,6 @@ from gradtrack.sinks import GradientSink, register_sink
 from gradtrack.watcher import Watcher
 
 __version__ = "0.1.0"
-
-_moved.install()  # the old flat module paths, for one release
 
 __all__ = [
     "AlertEvent",

@@ -124,7 +124,5 @@ class NullWatcher:
         return f"<gradtrack.Watcher off (enabled=False){', closed' if self.closed else ''}>"
 
 
-DisabledWatcher = NullWatcher  # the name it had before
-
 if TYPE_CHECKING:  # mypy holds the null watcher to the protocol
     _null: type[WatcherLike] = NullWatcher

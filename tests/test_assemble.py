@@ -91,17 +91,3 @@ def test_a_latched_bad_step_leads_the_logged_step_it_rode_with() -> None:
     assert np.isfinite(logged.total_norm)
     first = step.events[0]
     assert (first.step, first.rule, first.layer) == (7, "nonfinite", "0")
-
-
-def test_a_record_spooled_before_layer_detail_reads_the_same() -> None:
-    import pickle
-
-    from gradtrack.formats.record import StepRecord
-
-    record = StepRecord(1, 0.0, ("fc",), np.zeros((1, 7)), 1.0, layer_detail="norms")
-    old_state = {k: v for k, v in vars(record).items() if k != "layer_detail"}
-    old_state.update(per_layer=True, abs_stats=False)  # the two booleans it replaced
-    restored = StepRecord.__new__(StepRecord)
-    restored.__setstate__(old_state)
-    assert (restored.per_layer, restored.abs_stats) == (True, False)
-    assert pickle.loads(pickle.dumps(record)).layer_detail == "norms"

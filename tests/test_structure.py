@@ -95,7 +95,7 @@ ABOVE = {
 # The top of the package: the entry points and what every thread shares; everything else
 # lives in the package of the thread that runs it (docs/architecture.md).
 TOP_LEVEL = {
-    "__init__", "_moved", "api", "cli", "disabled", "errors", "extras", "lifecycle", "log",
+    "__init__", "api", "cli", "disabled", "errors", "extras", "lifecycle", "log",
     "watcher",
 }  # fmt: skip
 PACKAGES = {
@@ -156,19 +156,6 @@ def test_every_temporary_directory_of_gradtrack_is_closed_by_a_with_block() -> N
                 if id(node) not in in_with:
                     left_open.append(f"{name}:{node.lineno}")
     assert left_open == []
-
-
-@pytest.mark.parametrize("old", ["skip", "signals", "record", "spool", "stats", "mailbox"])
-def test_old_module_paths_still_import_for_one_release(old: str) -> None:
-    import importlib
-    import sys
-
-    from gradtrack._moved import MOVED
-
-    sys.modules.pop(f"gradtrack.{old}", None)
-    with pytest.warns(DeprecationWarning, match=f"gradtrack.{old} moved to gradtrack.{MOVED[old]}"):
-        module = importlib.import_module(f"gradtrack.{old}")
-    assert module is importlib.import_module(f"gradtrack.{MOVED[old]}")
 
 
 def test_the_step_path_has_few_parts() -> None:

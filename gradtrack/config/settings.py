@@ -104,11 +104,6 @@ class MlflowOptions(BaseModel):
     request_timeout_s: float = Field(
         10.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Timeout of one request."
     )
-    max_buffered_steps: PositiveInt | None = Field(
-        None,
-        description="Deprecated, has no effect: steps wait in the run's spool (spool.mib), "
-        "the only backlog, while the server is unreachable. Removed in the next release.",
-    )
     retry_max_s: float = Field(
         30.0, gt=0, le=_HOUR_S, allow_inf_nan=False, description="Longest wait between retries."
     )
@@ -142,18 +137,6 @@ class MlflowOptions(BaseModel):
     pictures_every: PositiveInt | None = Field(
         None, description="Also redraw them every N steps (None: at close only)."
     )
-
-    @field_validator("max_buffered_steps")
-    @classmethod
-    def _no_second_buffer(cls, value: int | None) -> int | None:
-        if value is not None:
-            warnings.warn(
-                "mlflow.max_buffered_steps has no effect: steps wait in the run's spool "
-                "(bounded by spool.mib) while MLflow is away; drop the option",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        return value
 
 
 class TensorboardOptions(BaseModel):

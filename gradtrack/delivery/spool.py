@@ -43,7 +43,6 @@ from gradtrack.formats.record import StepRecord as _Record
 
 FORMAT_VERSION = 2
 DB_FILE = "spool.db"
-_OLD_META = "spool.json"  # format 1 (gradtrack 0.1): pickled frames in seg-*.log
 _SERIAL = itertools.count()  # several runs of one process never share a folder
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS items (
@@ -64,8 +63,8 @@ def default_root() -> Path:
 
 
 def is_spool(path: Path) -> bool:
-    """A spool folder of any format (an old one is told apart when opened)."""
-    return (path / DB_FILE).exists() or (path / _OLD_META).exists()
+    """A spool folder: it holds the spool's database."""
+    return (path / DB_FILE).exists()
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,6 @@ class Spool:
         self._lock = threading.Lock()
         self._lock_file: io.TextIOWrapper | None = None
         if path is not None:
-            _refuse_old_format(path)
             if not (path / DB_FILE).exists():
                 raise SpoolError(f"{path} is not a gradtrack spool (no {DB_FILE})")
             self._lock_file = _hold_lock(path)
@@ -309,15 +307,6 @@ def _initialise(file: Path, sinks: dict[str, dict[str, Any]]) -> None:
         Spool._write_meta(db, {"version": FORMAT_VERSION, "sinks": sinks})
     finally:
         db.close()
-
-
-def _refuse_old_format(path: Path) -> None:
-    if (path / _OLD_META).exists() and not (path / DB_FILE).exists():
-        raise SpoolError(
-            f"{path} is a spool of format 1 (pickled frames, gradtrack 0.1); this gradtrack "
-            f"reads format {FORMAT_VERSION} and never unpickles: deliver it with gradtrack "
-            "0.1's `gradtrack sync`, or delete it"
-        )
 
 
 def _hold_lock(path: Path) -> io.TextIOWrapper | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -131,14 +131,6 @@ class StepRecord:
         """Whether max |g| and mean |g| were computed (on the steps ``layer_every`` makes
         per-layer: they cost two more passes over every gradient); NaN in ``stats`` if not."""
         return self.layer_detail == "all"
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # A record spooled before layer_detail (two booleans, per_layer and abs_stats).
-        if "per_layer" in state:
-            state = dict(state)
-            per_layer, abs_stats = state.pop("per_layer"), state.pop("abs_stats", True)
-            state["layer_detail"] = "none" if not per_layer else "all" if abs_stats else "norms"
-        self.__dict__.update(state)
 
     def update_ratios(self) -> np.ndarray | None:
         """‖ΔW‖/‖W‖ per layer (rows follow ``layers``), or None if not measured."""

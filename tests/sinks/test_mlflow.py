@@ -247,15 +247,14 @@ def test_server_down_at_start_then_killed_and_restarted_loses_nothing(
 
 @pytest.mark.slow
 def test_the_spool_is_the_only_backlog_an_outage_drops_nothing(tmp_path: Path, told: Told) -> None:
-    """The sink has no buffer of its own (``max_buffered_steps`` only warns that it is
-    gone): every step of an outage waits in the spool and reaches MLflow once it is back."""
+    """The sink has no buffer of its own: every step of an outage waits in the spool and
+    reaches MLflow once it is back."""
     server = MlflowServer(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path)
     model = nn.Linear(4, 1)
-    with pytest.warns(DeprecationWarning, match="max_buffered_steps has no effect"):
-        watcher = gradtrack.watch(
-            model, backend="mlflow", log_every=1, histograms=False,
-            delivery={"batch_wait_s": 0.0}, mlflow=outage_config(server.uri, max_buffered_steps=3),
-        )  # fmt: skip
+    watcher = gradtrack.watch(
+        model, backend="mlflow", log_every=1, histograms=False,
+        delivery={"batch_wait_s": 0.0}, mlflow=outage_config(server.uri),
+    )  # fmt: skip
     try:
         for _ in range(10):
             model(torch.randn(2, 4)).sum().backward()

@@ -137,10 +137,9 @@ def test_a_spool_carrying_a_pickle_payload_is_a_clear_error_and_runs_nothing(
 
 
 @pytest.mark.slow
-def test_a_spool_of_the_old_pickle_format_names_its_version_and_runs_nothing(
-    tmp_path: Path,
-) -> None:
-    """gradtrack 0.1's spools were pickled frames; this version never unpickles them."""
+def test_a_folder_of_pickled_frames_is_no_spool_and_runs_nothing(tmp_path: Path) -> None:
+    """A spool is its sqlite database, never pickles: a folder of pickled frames (as an early
+    development build wrote them) is refused without reading them."""
     marker = tmp_path / "code-ran"
     old = tmp_path / "20261130-120000-run-1-0"
     old.mkdir()
@@ -148,9 +147,9 @@ def test_a_spool_of_the_old_pickle_format_names_its_version_and_runs_nothing(
     payload = pickle.dumps(_RunsCode(marker))
     frame = struct.pack("<QII", 1, len(payload), zlib.crc32(payload)) + payload
     (old / "seg-00000000000000000001.log").write_bytes(frame)
-    result = sync_cli(tmp_path)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "format 1" in result.stderr and "never unpickles" in result.stderr
+    for named in (tmp_path, old):  # the folder of runs, or the run's folder itself
+        result = sync_cli(named)
+        assert result.stderr.strip() == "gradtrack: nothing to sync", result.stderr
     assert not marker.exists()
 
 
