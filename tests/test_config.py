@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.config import RENAMED, GradtrackConfig, load_config
+from gradtrack.config import GradtrackConfig, load_config
 from gradtrack.errors import GradtrackConfigError
 from gradtrack.sinks.memory import MemorySink
 from tests.conftest import Told
@@ -223,106 +223,11 @@ def test_a_nested_typo_lists_its_sections_fields_and_suggests_the_closest(
     assert section_field in known and "log_every" not in known  # not the 30 top-level ones
 
 
-# Every option renamed in the smaller config, with a value that is not its default.
-OLD_NAMES: list[tuple[str, object]] = [
-    ("hist_every", 7),
-    ("hist_bins", 9),
-    ("hist_sample_size", 100),
-    ("hist_scale", "log"),
-    ("seed", 3),
-    ("queue_size", 5),
-    ("queue_mib", 7),
-    ("queue_full", "block"),
-    ("max_batch_steps", 4),
-    ("batch_wait_s", 0.1),
-    ("sink_buffer_steps", 6),
-    ("spool_dir", Path("/tmp/spools")),
-    ("spool_mib", 9),
-    ("console_interval_s", 1.5),
-    ("update_signals.enabled", True),
-]
-
-
-def _nested(dotted: str, value: object) -> dict[str, object]:
-    head, _, rest = dotted.partition(".")
-    return {head: _nested(rest, value) if rest else value}
-
-
-def _at(config: GradtrackConfig, dotted: str) -> object:
-    value: object = config.model_dump()  # update_signals dumps as the plain switch it is
-    for part in dotted.split("."):
-        assert isinstance(value, dict)
-        value = value[part]
-    return value
-
-
-def test_every_old_name_is_listed() -> None:
-    assert [old for old, _ in OLD_NAMES] == list(RENAMED)
-
-
-@pytest.mark.parametrize(("old", "value"), OLD_NAMES)
-def test_an_old_name_lands_in_its_new_place_with_one_warning(old: str, value: object) -> None:
-    new = RENAMED[old]
-    with pytest.warns(DeprecationWarning) as caught:
-        config = load_config(overrides=_nested(old, value), environ={})
-    assert _at(config, new) == value
-    assert len(caught) == 1 and f"{old} → {new}" in str(caught[0].message)
-    assert caught[0].filename == __file__  # pointed at the line that wrote the old name
-
-
-def test_old_names_from_every_source_give_one_warning_naming_each(tmp_path: Path) -> None:
-    path = tmp_path / "old.yaml"
-    path.write_text("hist_every: 7\nconsole_interval_s: 2\n")
-    environ = {"GRADTRACK_HIST_BINS": "9", "GRADTRACK_QUEUE_FULL": "block"}
-    with pytest.warns(DeprecationWarning) as caught:
-        config = load_config(path, {"spool_mib": 3}, environ=environ)
-    assert (config.histograms.every, config.histograms.bins, config.console.interval_s) == (7, 9, 2)
-    assert (config.delivery.queue_full, config.spool.mib) == ("block", 3)
-    (warning,) = caught
-    message = str(warning.message)
-    for renamed in (
-        "hist_every → histograms.every",
-        "console_interval_s → console.interval_s",
-        "GRADTRACK_HIST_BINS → GRADTRACK_HISTOGRAMS__BINS",
-        "GRADTRACK_QUEUE_FULL → GRADTRACK_DELIVERY__QUEUE_FULL",
-        "spool_mib → spool.mib",
-    ):
-        assert renamed in message
-
-
-def test_old_names_keep_their_precedence_against_new_ones() -> None:
-    environ = {"GRADTRACK_HIST_BINS": "8", "GRADTRACK_HISTOGRAMS__EVERY": "4"}
-    with pytest.warns(DeprecationWarning, match="GRADTRACK_HIST_BINS"):
-        config = load_config({"histograms": {"bins": 9}}, {"hist_every": 5}, environ=environ)
-    assert (config.histograms.bins, config.histograms.every) == (9, 5)
-
-
-def test_old_names_work_in_watch_and_in_a_config_object() -> None:
-    model = nn.Linear(2, 2)
-    with pytest.warns(DeprecationWarning, match="hist_every → histograms.every") as caught:
-        watcher = gradtrack.watch(model, "memory", hist_every=None)
-    watcher.close()
-    assert watcher.config.histograms.every is None and caught[0].filename == __file__
-    with pytest.warns(DeprecationWarning, match="queue_size → delivery.queue_size") as caught:
-        config = GradtrackConfig(queue_size=3)  # type: ignore[call-arg]
-    assert config.delivery.queue_size == 3 and caught[0].filename == __file__
-
-
-def test_an_old_and_a_new_name_for_one_option_in_one_place_is_an_error() -> None:
-    with pytest.raises(GradtrackConfigError, match=r"hist_bins and histograms\.bins .*keyword"):
-        load_config(overrides={"hist_bins": 3, "histograms": {"bins": 4}}, environ={})
-
-
-def test_an_invalid_value_under_an_old_name_names_both_names() -> None:
-    with pytest.warns(DeprecationWarning), pytest.raises(GradtrackConfigError) as error:
-        load_config(overrides={"hist_scale": "lin"}, environ={})
-    assert "histograms.scale = 'lin' (from keyword argument, as hist_scale)" in str(error.value)
-    assert "'linear' or 'log'" in str(error.value)
-
-
-def test_a_misspelt_old_name_suggests_its_new_place() -> None:
-    with pytest.raises(GradtrackConfigError, match=r"did you mean 'histograms\.sample_size'"):
-        load_config(overrides={"hist_sample_sise": 5}, environ={})
+def test_a_flat_name_of_a_development_build_is_an_unknown_field() -> None:
+    """Nothing was released before the sections: no old name is carried."""
+    with pytest.raises(GradtrackConfigError, match=r"unknown field 'hist_bins'") as error:
+        load_config(overrides={"hist_bins": 8}, environ={})
+    assert "Known fields: " in str(error.value) and "histograms" in str(error.value)
 
 
 def test_environment_variables_reach_the_sections() -> None:

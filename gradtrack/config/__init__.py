@@ -8,7 +8,6 @@ from gradtrack.config.settings import (
     ENV_SOURCE,
     ENV_SPOOL_DIR,
     FIELDS,
-    RENAMED,
     ConfigSource,
     ConsoleOptions,
     DeliveryOptions,
@@ -23,11 +22,9 @@ from gradtrack.config.settings import (
     TensorboardOptions,
     WandbOptions,
     load_config,
-    migrate,
     read_config_file,
     read_env,
     redacted_config,
-    warn_renamed,
 )
 
 __all__ = [
@@ -37,7 +34,6 @@ __all__ = [
     "ENV_SOURCE",
     "ENV_SPOOL_DIR",
     "FIELDS",
-    "RENAMED",
     "ConfigSource",
     "ConsoleOptions",
     "DeliveryOptions",
@@ -52,9 +48,7 @@ __all__ = [
     "TensorboardOptions",
     "WandbOptions",
     "load_config",
-    "migrate",
     "read_config_file",
     "read_env",
     "redacted_config",
-    "warn_renamed",
 ]

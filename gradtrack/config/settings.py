@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import json
 import os
 import sys
 import typing
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -458,14 +456,9 @@ class GradtrackConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _renamed_options(cls, data: Any) -> Any:
-        """Old flat names (``hist_bins``) still work, for one release, with a warning."""
-        if not isinstance(data, Mapping):
-            return data
-        migrated, moved = migrate(data)
-        if moved:
-            warn_renamed(moved)
-        return migrated
+    def _switched_sections(cls, data: Any) -> Any:
+        """A section given as an on/off value (``spool=False``) is that section's mapping."""
+        return expanded(data) if isinstance(data, Mapping) else data
 
     @field_validator("include", "exclude", "layer_metrics", mode="before")
     @classmethod
@@ -486,25 +479,6 @@ class GradtrackConfig(BaseModel):
 
 FIELDS: tuple[str, ...] = tuple(GradtrackConfig.model_fields)
 
-# Where the options of earlier releases live now: load_config, and GradtrackConfig itself,
-# still take the old names, for one release, with one DeprecationWarning naming old -> new.
-RENAMED: dict[str, str] = {
-    "hist_every": "histograms.every",
-    "hist_bins": "histograms.bins",
-    "hist_sample_size": "histograms.sample_size",
-    "hist_scale": "histograms.scale",
-    "seed": "histograms.seed",
-    "queue_size": "delivery.queue_size",
-    "queue_mib": "delivery.queue_mib",
-    "queue_full": "delivery.queue_full",
-    "max_batch_steps": "delivery.max_batch_steps",
-    "batch_wait_s": "delivery.batch_wait_s",
-    "sink_buffer_steps": "delivery.sink_buffer_steps",
-    "spool_dir": "spool.dir",
-    "spool_mib": "spool.mib",
-    "console_interval_s": "console.interval_s",
-    "update_signals.enabled": "update_signals",
-}
 # Sections a plain on/off value stands for: spool=False, histograms=False (see _expand).
 _SWITCHED = ("spool", "histograms", "noise_scale", "flight")
 
@@ -528,95 +502,21 @@ def _expand(section: str, value: Any) -> Any:
     return {} if value else {"every": None}
 
 
-def migrate(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """``values`` with every old name moved to its new place, and the (old, new) pairs moved.
+def expanded(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (nested dicts copied) with each section given as an on/off value expanded.
 
-    >>> migrated, moved = migrate({"hist_bins": 8, "spool": False, "spool_mib": 9})
-    >>> migrated
-    {'spool': {'enabled': False, 'mib': 9}, 'histograms': {'bins': 8}}
-    >>> moved
-    [('hist_bins', 'histograms.bins'), ('spool_mib', 'spool.mib')]
+    >>> expanded({"spool": False, "histograms": {"bins": 8}})
+    {'spool': {'enabled': False}, 'histograms': {'bins': 8}}
     """
-    migrated = _copied(values)
+    copied = _copied(values)
     for name in _SWITCHED:
-        if name in migrated:
-            migrated[name] = _expand(name, migrated[name])
-    moved: list[tuple[str, str]] = []
-    for old, new in RENAMED.items():
-        found, value = _pop(migrated, old.split("."))
-        if not found:
-            continue
-        if _has(migrated, new.split(".")):
-            raise GradtrackConfigError(
-                f"{old} and {new} are the same option, given twice: keep only {new}"
-            )
-        _put(migrated, new.split("."), value)
-        moved.append((old, new))
-    return migrated, moved
+        if name in copied:
+            copied[name] = _expand(name, copied[name])
+    return copied
 
 
 def _copied(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _copied(v) if isinstance(v, Mapping) else v for k, v in values.items()}
-
-
-def _pop(values: dict[str, Any], path: list[str]) -> tuple[bool, Any]:
-    """Take ``path`` out of nested dicts (dropping a dict it leaves empty): (found, value)."""
-    head, *rest = path
-    if head not in values:
-        return False, None
-    if not rest:
-        return True, values.pop(head)
-    inner = values[head]
-    if not isinstance(inner, dict):
-        return False, None
-    found, value = _pop(inner, rest)
-    if found and not inner:
-        del values[head]
-    return found, value
-
-
-def _has(values: Any, path: list[str]) -> bool:
-    for part in path:
-        if not isinstance(values, Mapping) or part not in values:
-            return False
-        values = values[part]
-    return True
-
-
-def _put(values: dict[str, Any], path: list[str], value: Any) -> None:
-    head, *rest = path
-    if not rest:
-        values[head] = value
-        return
-    inner = values.get(head)
-    if isinstance(inner, BaseModel):
-        inner = _explicit_fields(inner)
-    values[head] = inner = dict(inner or {})
-    _put(inner, rest, value)
-
-
-def warn_renamed(moved: list[tuple[str, str]]) -> None:
-    """One DeprecationWarning naming each old name and its new place, pointed at the first
-    caller outside gradtrack (and pydantic), where the old name was written."""
-    renames = ", ".join(f"{old} → {new}" for old, new in moved)
-    here = inspect.currentframe()
-    assert here is not None and here.f_back is not None  # (CPython has frames)
-    frame, level = here.f_back, 2
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
-        "gradtrack",
-        "pydantic",
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(
-        f"gradtrack options renamed: {renames}. The old names stop working in the next "
-        "release (CHANGELOG.md lists every rename).",
-        DeprecationWarning,
-        stacklevel=level,
-    )
-
-
-def _env_name(dotted: str) -> str:
-    return ENV_PREFIX + dotted.upper().replace(".", "__")
 
 
 def _resolve_module_type(name: str) -> type:
@@ -765,22 +665,13 @@ def load_config(
 
     merged: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    renamed: list[tuple[str, str]] = []
     for source, given in layers:
-        try:
-            values, moved = migrate(given)
-        except GradtrackConfigError as exc:
-            raise GradtrackConfigError(f"{exc} (in the {source})") from None
+        values = expanded(given)
         from_env = source == ENV_SOURCE
-        for old, new in moved:
-            renamed.append((_env_name(old), _env_name(new)) if from_env else (old, new))
-            origin[new] = _env_name(old) if from_env else f"{source}, as {old}"
         merged = _merge(merged, values)
         for key, value in values.items():
             env_name = ENV_PREFIX + key.upper() + ("__*" if isinstance(value, Mapping) else "")
             origin[key] = env_name if from_env else source
-    if renamed:
-        warn_renamed(renamed)
     try:
         return GradtrackConfig(**merged)
     except ValidationError as exc:
@@ -805,10 +696,8 @@ def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
         where = next((origin[p] for p in prefixes if p in origin), "?")
         if item["type"] == "extra_forbidden":
             section, known = _section_fields(item["loc"][:-1])
-            # At the top level an old name's neighbour is suggested by its new name.
-            names = [*known, *(old for old in RENAMED if "." not in old)] if not section else known
-            close = difflib.get_close_matches(loc[-1], list(names), n=1)
-            suggested = RENAMED.get(close[0], ".".join([*section, close[0]])) if close else ""
+            close = difflib.get_close_matches(loc[-1], list(known), n=1)
+            suggested = ".".join([*section, close[0]]) if close else ""
             hint = f"; did you mean {suggested!r}?" if close else ""
             of = f" of {'.'.join(section)}" if section else ""
             lines.append(
