@@ -13,12 +13,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors
 
 from gradtrack.handoff.layout import L2, NAN
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
+
+
+def _flat(grads: Sequence[Tensor]) -> Tensor:
+    """The tensors' elements end to end, in one new tensor."""
+    return torch.cat([g.reshape(-1) for g in grads])
 
 def stored_values(grad: Tensor) -> Tensor:
     """The elements a gradient stores: a sparse one's values (coalesced, so that each index
@@ -150,7 +154,7 @@ def packed_abs_norms(grads: list[Tensor]) -> tuple[Tensor, Tensor]:
     """
     # One C++ call flattens and concatenates (DDP's bucketing uses the same helper). It
     # returns a single tensor's own storage: copy, since the reduction below works in place.
-    absolute = _flatten_dense_tensors(grads).to(torch.float64, copy=True).abs_()
+    absolute = _flat(grads).to(torch.float64, copy=True).abs_()
     lengths = torch.tensor([g.numel() for g in grads], device=absolute.device)
     l1 = torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True)
     return l1, torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
@@ -165,7 +169,7 @@ def packed_l2_norms(grads: list[Tensor], offsets: np.ndarray) -> Tensor:
     >>> packed_l2_norms(grads, np.array([0, 2, 3]))
     tensor([5.0000e+00, 1.0000e-30, 1.0000e+30], dtype=torch.float64)
     """
-    values = _flatten_dense_tensors(grads).numpy()
+    values = _flat(grads).numpy()
     squares = np.square(values, dtype=np.float64)
     return torch.from_numpy(np.sqrt(np.add.reduceat(squares, offsets)))
 
@@ -256,7 +260,7 @@ def exact_norms(grads: list[Tensor], ord: int) -> Tensor:
     >>> exact_norms([torch.full((4,), 1e-30), torch.tensor([float("inf"), 1.0])], 1)
     tensor([4.0000e-30,        inf], dtype=torch.float64)
     """
-    absolute = _flatten_dense_tensors(grads).to(torch.float64, copy=True).abs_()
+    absolute = _flat(grads).to(torch.float64, copy=True).abs_()
     lengths = torch.tensor([g.numel() for g in grads])
     if grads[0].dtype != torch.float64:  # their squares cannot leave fp64's normal range
         scale = torch.ones(len(grads), dtype=torch.float64)

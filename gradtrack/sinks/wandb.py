@@ -35,7 +35,7 @@ from gradtrack.sinks.wandb_rows import RowRider
 from gradtrack.sinks.wandb_run import WandbRun, finished_error
 
 if TYPE_CHECKING:
-    from wandb.sdk.wandb_run import Run
+    from wandb import Run
 
 
 class WandbSink(SinkBase):
@@ -117,11 +117,9 @@ class WandbSink(SinkBase):
                 run.summary[key] = wandb.Image(str(path))
 
     def alert(self, event: AlertEvent) -> None:
-        from wandb.sdk.wandb_alerts import AlertLevel  # (wandb.AlertLevel: untyped)
-
         self._pictures.alert(event)
         run = self._wandb_run.bound()
-        levels = {"info": AlertLevel.INFO, "warning": AlertLevel.WARN, "error": AlertLevel.ERROR}
+        levels = {"info": "INFO", "warning": "WARN", "error": "ERROR"}  # run.alert's levels
         level = levels[event.severity]
         # gradtrack's own per-rule cooldown already spaced these out; W&B's minimum wait
         # only stops it from merging distinct events that share a title.

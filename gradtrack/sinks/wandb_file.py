@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING
 from gradtrack.formats.wandb_steps import part_name, steps_dir
 
 if TYPE_CHECKING:
-    from wandb.sdk.wandb_run import Run
+    from wandb import Run
 
 PART_BYTES = 1 << 20  # a part this large is closed; the next line starts a new one
 

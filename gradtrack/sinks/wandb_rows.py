@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from gradtrack.formats.record import StepRecord
 
 if TYPE_CHECKING:
-    from wandb.sdk.wandb_run import Run
+    from wandb import Run
 
 
 class RowRider:

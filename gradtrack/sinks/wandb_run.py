@@ -15,7 +15,7 @@ from gradtrack.formats.keys import FAMILIES
 from gradtrack.formats.wandb import HIST_FAMILY, PROFILE_FAMILY
 
 if TYPE_CHECKING:
-    from wandb.sdk.wandb_run import Run
+    from wandb import Run
 
 FINISHED_MESSAGE = (
     "the W&B run was finished before gradtrack's watcher closed; gradtrack stops logging to "
