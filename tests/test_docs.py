@@ -112,3 +112,43 @@ def test_links_between_pages_lead_to_files_and_headings(page: Path) -> None:
 def _anchor(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to dashes."""
     return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def test_api_md_names_every_option_backend_and_record_field() -> None:
+    """docs/api.md is the reference: every config field (a section's as ``section.field`` or
+    in its section's row; the alert rules in docs/alerts.md), every registered backend name
+    and every `StepRecord` field appear in it, so a new one cannot go undocumented."""
+    import dataclasses
+
+    from pydantic import BaseModel
+
+    from gradtrack.config import GradtrackConfig
+    from gradtrack.formats.record import StepRecord
+    from gradtrack.sinks.base import registered_sinks
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    alerts = (ROOT / "docs" / "alerts.md").read_text()
+    rows = {  # each name in a table row's first cell -> that row
+        name: line
+        for line in api.splitlines()
+        if line.startswith("| `")
+        for name in re.findall(r"`([^`]+)`", line.split("|")[1])
+    }
+    missing = []
+    for name, field in GradtrackConfig.model_fields.items():
+        if name not in rows:
+            missing.append(name)
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            continue
+        for sub in section.model_fields:
+            if name == "alerts":
+                if sub != "layers" and f"`{sub}`" not in alerts:
+                    missing.append(f"alerts.{sub} (docs/alerts.md)")
+            elif f"`{name}.{sub}`" not in api and f"`{sub}`" not in rows.get(name, ""):
+                missing.append(f"{name}.{sub}")
+    missing += [f'backend "{b}"' for b in registered_sinks() if f'"{b}"' not in api]
+    missing += [
+        f"StepRecord.{f.name}" for f in dataclasses.fields(StepRecord) if f"`{f.name}`" not in api
+    ]
+    assert missing == []
