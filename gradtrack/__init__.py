@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.api import unwatch, watch
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import AlertRules
@@ -21,6 +20,7 @@ from gradtrack.errors import (
     GradtrackConfigError,
     GradtrackError,
 )
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.record import LayerStats, StepRecord
 from gradtrack.sinks import GradientSink, register_sink

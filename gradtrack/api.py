@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.capture.distributed import writes_to_sinks
 from gradtrack.capture.layers import unwrap_model
 from gradtrack.capture.probes import StepSource
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
 from gradtrack.disabled import NullWatcher, WatcherLike
 from gradtrack.errors import GradtrackError
+from gradtrack.formats.event import AlertEvent
 from gradtrack.log import logger, show_in_terminal
 from gradtrack.sinks.build import Backend, build_sinks
 from gradtrack.watcher import Watcher, watcher_of

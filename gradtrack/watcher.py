@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gradtrack import lifecycle
-from gradtrack.alerts import AlertEngine, AlertEvent
+from gradtrack.alerts import AlertEngine
 from gradtrack.capture.collect import Collector
 from gradtrack.capture.distributed import is_dtensor, rank_group
 from gradtrack.capture.handover import Handover
@@ -41,6 +41,7 @@ from gradtrack.capture.wrappers import hooked_optimizer, scaler_of
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradtrackError
+from gradtrack.formats.event import AlertEvent
 from gradtrack.handoff.drops import DropCount
 from gradtrack.handoff.mailbox import Mailbox
 from gradtrack.lifecycle import Outcome, outcome_of

@@ -19,10 +19,10 @@ from gradtrack.handoff.layout import L2, NAN
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-
 def _flat(grads: Sequence[Tensor]) -> Tensor:
     """The tensors' elements end to end, in one new tensor."""
     return torch.cat([g.reshape(-1) for g in grads])
+
 
 def stored_values(grad: Tensor) -> Tensor:
     """The elements a gradient stores: a sparse one's values (coalesced, so that each index

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FlightWindow
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.record import StepRecord

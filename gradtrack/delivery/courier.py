@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.delivery.spool import Item, Spool
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.drops import DropCount
 from gradtrack.log import report

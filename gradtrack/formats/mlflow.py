@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.extras import require_module
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow, is_window, read_window
 from gradtrack.formats.histogram_store import read_chunks
 from gradtrack.formats.keys import safe_key

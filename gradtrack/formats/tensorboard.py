@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.wandb import HIST_FAMILY, PICTURES_FAMILY
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.api import open_watcher
 from gradtrack.capture.probes import StepSource
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
 from gradtrack.disabled import WatcherLike
+from gradtrack.formats.event import AlertEvent
 from gradtrack.sinks.base import GradientSink
 
 Backend = str | GradientSink | Sequence[str | GradientSink]

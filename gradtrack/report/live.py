@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.record import StepRecord
 from gradtrack.report.data import Alert, RunData

@@ -17,9 +17,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.formats.record import StepRecord

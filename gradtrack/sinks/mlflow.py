@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.extras import require_module
 from gradtrack.formats.atomic import write_atomic
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
 from gradtrack.formats.histogram_store import write_chunk
 from gradtrack.formats.keys import metric_key

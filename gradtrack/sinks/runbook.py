@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
 

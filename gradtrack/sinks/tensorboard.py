@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.extras import require_module
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.formats.record import StepRecord

@@ -18,9 +18,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.extras import require_module
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics

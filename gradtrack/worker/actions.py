@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gradtrack.alerts import AlertEngine, AlertEvent
+from gradtrack.alerts import AlertEngine
 from gradtrack.errors import GradientWarning
+from gradtrack.formats.event import AlertEvent
 from gradtrack.log import logger, report, warn
 
 _LOG_LEVEL = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gradtrack.alerts import AlertEngine, AlertEvent
+from gradtrack.alerts import AlertEngine
 from gradtrack.config import GradtrackConfig
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram, bin_samples
 from gradtrack.formats.record import STAT_COLUMNS, StepRecord, summarise_layers
 from gradtrack.handoff.drops import DropCount

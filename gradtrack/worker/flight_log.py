@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FlightWindow
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.layout import TENSOR_COLUMNS

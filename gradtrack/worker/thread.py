@@ -13,11 +13,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.config import GradtrackConfig
 from gradtrack.delivery.courier import SinkCourier, courier_for, yield_cpu_to_training
 from gradtrack.delivery.progress import wait_while_progressing
 from gradtrack.delivery.spool import Spool, SpoolError, default_root
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.drops import DropCount
 from gradtrack.handoff.mailbox import Control, Mailbox, QueuedStep
