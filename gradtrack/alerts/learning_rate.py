@@ -144,8 +144,7 @@ class LearningRateCheck(Check):
         none = np.array([], dtype=np.int64)
         if not self._norms:
             return none, None
-        recent = np.stack([n for _, n in self._norms])
-        recent = np.where(np.isfinite(recent), recent, -np.inf).max(axis=0)
+        recent = self._recent_levels()
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where((recent > 0) & np.isfinite(norms), norms / recent, np.nan)
         if not np.isfinite(share).any():
@@ -171,9 +170,13 @@ class LearningRateCheck(Check):
         lowest = culprits[np.argmin(norms[culprits])]
         return (
             f"gradient norm down to {norms[lowest]:.3g} in {self.book.names[lowest]} from "
-            f"{max(n[lowest] for _, n in self._norms):.3g} in the last logged steps, while "
-            f"{kept}"
+            f"{self._recent_levels()[lowest]:.3g} in the last logged steps, while {kept}"
         )
+
+    def _recent_levels(self) -> np.ndarray:
+        """Each layer's highest finite gradient norm of the last logged steps (-inf: none)."""
+        recent = np.stack([n for _, n in self._norms])
+        return np.where(np.isfinite(recent), recent, -np.inf).max(axis=0)
 
     def _most_moved(self, candidates: np.ndarray, ratios: np.ndarray) -> np.ndarray:
         return candidates[np.argsort(-ratios[candidates])][:MOST_MOVED]

@@ -243,6 +243,15 @@ def logged_steps_to(event_step: int, collapse: int, log_every: int = 10) -> int:
 
 
 MODELS = {"cnn": SmallCNN, "wide_cnn": m.wide_cnn, "mlp": m.image_mlp, "bn_cnn": m.batchnorm_cnn}
+
+
+def corpus_run(model: str, optimizer: str, lr: float, seed: int) -> m.Run:
+    """250 steps of one corpus model on the ten prototype classes, at the defaults."""
+    torch.manual_seed(seed)
+    batch = m.prototype_batch()
+    return m.train(MODELS[model](), batch, m.cross_entropy, 250, lr=lr, optimizer=optimizer)
+
+
 COLLAPSES = [  # (model, optimizer, lr, seed): each learns, then its loss returns to chance
     ("cnn", "momentum", 0.03, 0),  # unstable for 20 steps first
     ("cnn", "momentum", 0.05, 1),  # at chance from ~60, partly recovers, then again at ~107
@@ -265,9 +274,7 @@ COLLAPSES = [  # (model, optimizer, lr, seed): each learns, then its loss return
 def test_a_collapse_is_told_the_learning_rate_within_two_logged_steps(
     model: str, optimizer: str, lr: float, seed: int
 ) -> None:
-    torch.manual_seed(seed)
-    batch = m.prototype_batch()
-    run = m.train(MODELS[model](), batch, m.cross_entropy, 250, lr=lr, optimizer=optimizer)
+    run = corpus_run(model, optimizer, lr, seed)
     learnt = next(i for i, loss in enumerate(run.losses) if loss < 0.5)
     collapse = collapse_step_of(run.losses[learnt:]) + learnt  # learnt, then collapsed
     told = [e for e in run.events("learning_rate") if e.step >= collapse - 9]
@@ -292,8 +299,6 @@ QUIET = [  # (model, optimizer, lr, seed): each learns and stays learnt
 def test_a_model_that_learns_is_never_told_the_learning_rate(
     model: str, optimizer: str, lr: float, seed: int
 ) -> None:
-    torch.manual_seed(seed)
-    batch = m.prototype_batch()
-    run = m.train(MODELS[model](), batch, m.cross_entropy, 250, lr=lr, optimizer=optimizer)
+    run = corpus_run(model, optimizer, lr, seed)
     assert max(run.losses[-50:]) < 0.5  # learnt, and stays learnt
     assert run.events("learning_rate") == []
