@@ -152,3 +152,54 @@ def test_a_spike_does_not_take_a_later_nan_steps_place_in_its_window() -> None:
     sink, _ = train(regression_model(), 135, {123: 300.0, 125: math.nan})
     assert {e.step for e in sink.events if e.rule == "spike"} == {123}
     assert next(e.step for e in sink.events if e.rule == "nonfinite") == 125
+
+
+def _judged_run(short_pass: bool) -> tuple[MemorySink, gradtrack.Watcher]:
+    """140 steps with a 300x spike at step 123 and a NaN at step 77 (both between logged
+    steps), with the short pass for healthy steps on or off."""
+    model = regression_model()
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    watcher = gradtrack.watch(model, backend=sink, optimizer=optimizer)  # default rules
+    if not short_pass:
+        watcher.judge._quiet = None  # every step judged in full
+    for step in range(140):
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(64, 8, generator=generator)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
+        if step in (77, 123):
+            for param in model.parameters():
+                param.grad.mul_(300.0 if step == 123 else math.nan)  # type: ignore[union-attr]
+        kept = [p.detach().clone() for p in model.parameters()]
+        optimizer.step()
+        if step == 77:  # the NaN update undone: training goes on healthy
+            with torch.no_grad():
+                for param, before in zip(model.parameters(), kept):
+                    param.copy_(before)
+    watcher.close()
+    return sink, watcher
+
+
+def test_healthy_steps_judged_in_the_short_pass_judge_as_the_full_pass() -> None:
+    """The short pass a healthy unlogged step takes (`QuietSteps`) keeps the spike window
+    and the flight recorder as judging it in full would: same records, spike statistics,
+    alerts and flight windows."""
+    quick, quick_watcher = _judged_run(short_pass=True)
+    full, _ = _judged_run(short_pass=False)
+    assert quick_watcher.judge._quiet is not None
+    assert [r.step for r in quick.records] == [r.step for r in full.records]
+    assert {77, 123} <= {r.step for r in quick.records}
+    for a, b in zip(quick.records, full.records):
+        np.testing.assert_allclose(a.spike_z, b.spike_z, rtol=1e-5, equal_nan=True)  # type: ignore[arg-type]
+        np.testing.assert_allclose(a.spike_typical, b.spike_typical, rtol=1e-5, equal_nan=True)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(a.spiking, b.spiking)  # type: ignore[arg-type]
+        assert (a.flight is None) == (b.flight is None)
+        if a.flight is not None and b.flight is not None:
+            np.testing.assert_array_equal(a.flight.steps, b.flight.steps)
+            np.testing.assert_allclose(a.flight.norms, b.flight.norms, rtol=1e-5, equal_nan=True)
+    assert [(e.step, e.rule, e.layer) for e in quick.events] == [
+        (e.step, e.rule, e.layer) for e in full.events
+    ]
+    assert any(e.rule == "spike" and e.step == 123 for e in quick.events)
+    assert any(e.rule == "nonfinite" and e.step == 77 for e in quick.events)

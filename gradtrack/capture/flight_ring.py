@@ -68,6 +68,16 @@ class FlightRecorder:
                 raise
             on_error(step, exc)
 
+    def record_host(self, step: int, norms: np.ndarray) -> None:
+        """`record` for host norms (a CPU model's quiet step): two numpy writes."""
+        if self._host is None:
+            self.record(step, torch.from_numpy(norms))
+            return
+        row = self._host[self._written % self.capacity]
+        row[:] = norms
+        row[0] = step
+        self._written += 1
+
     def _record(self, step: int, norms: Tensor, hold: Tensor | None) -> None:
         if self._ring is None or self._ring.device != norms.device:
             self._ring = torch.full(

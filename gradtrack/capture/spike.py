@@ -117,7 +117,7 @@ class NormWindow:
                 # (x, x², 1) per step in the window; 0 where a column took nothing
                 "rows": np.zeros((self.window, 3, c)),
                 "sums": np.zeros((3, c)),
-                "waiting": np.zeros((self.refresh, c)),  # log10 norms judged since a refresh
+                "waiting": np.zeros((self.refresh, c)),  # the norms judged since a refresh
                 "z": self._z,
                 "log_ratio": self._log_ratio,
                 "enabled": self._enabled,
@@ -126,6 +126,7 @@ class NormWindow:
                 "inv_std": np.full(c, np.nan),
                 "typical": np.full(c, np.nan),
                 "limit": np.full(c, np.inf),
+                "limit_norm": np.full(c, np.inf),  # 10 ** limit: a quiet step's test
                 "clip": np.zeros(c),
             }
             # made on the device once: a copy from the host at every step could wait
@@ -149,6 +150,16 @@ class NormWindow:
         an absent layer's 0)."""
         return self._step(np, norms, self._state_for(norms, True))
 
+    def quiet(self, norms: np.ndarray) -> bool:
+        """A step's finite host norms taken into the window where no column spikes (True);
+        False leaves the window as it was, for `on_host` to judge the step in full. Two
+        operations: what a healthy step between logged ones costs."""
+        state = self._state_for(norms, True)
+        if (norms > state["limit_norm"]).any():
+            return False
+        self._take(np, norms, state)
+        return True
+
     def _step(self, xp: Any, norms: Any, state: dict[str, Any]) -> Any:
         """One step's judgement, written once for ``xp`` = numpy or torch."""
         x = xp.log10(norms)
@@ -156,18 +167,26 @@ class NormWindow:
         spiking = (x > state["limit"]) & present
         z = xp.where(present, (x - state["mean"]) * state["inv_std"], math.nan)
         vector = xp.concatenate([z, state["typical"], spiking * 1.0])
-        state["waiting"][self._waiting] = x
+        self._take(xp, norms, state)
+        return vector
+
+    def _take(self, xp: Any, norms: Any, state: dict[str, Any]) -> None:
+        state["waiting"][self._waiting] = norms
         self._waiting += 1
         if self._waiting == self.refresh:
-            self._refresh(xp, state)
-        return vector
+            if xp is np:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    self._refresh(xp, state)
+            else:
+                self._refresh(xp, state)
 
     def _refresh(self, xp: Any, state: dict[str, Any]) -> None:
         """Take the waiting steps into the window and derive the next steps' thresholds.
         They were all judged against the same statistics, so a spiking value among them
         enters clipped to the same ``mean + z·std``."""
         at_least: Any = np.maximum if xp is np else torch.clamp_min  # (clip is ~10x slower)
-        sums, rows, x = state["sums"], state["rows"], state["waiting"][: self._waiting]
+        sums, rows = state["sums"], state["rows"]
+        x = xp.log10(state["waiting"][: self._waiting])
         present = xp.isfinite(x)
         taken = xp.where(x > state["limit"], state["clip"], x)
         fresh = xp.where(present[:, None], xp.stack([taken, taken * taken, present * 1.0], 1), 0.0)
@@ -188,6 +207,7 @@ class NormWindow:
         # spiking: z above its threshold and the norm above ratio × typical
         limit = mean + at_least(state["z"] * std, state["log_ratio"])
         state["limit"] = xp.where(armed, limit, math.inf)
+        state["limit_norm"] = 10.0 ** state["limit"]
 
     def _slots(self, n: int) -> list[tuple[slice, slice]]:
         """Where ``n`` steps enter the ring of the window's rows: (its slots, their rows)."""

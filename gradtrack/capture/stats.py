@@ -169,9 +169,12 @@ def packed_l2_norms(grads: list[Tensor], offsets: np.ndarray) -> Tensor:
     >>> packed_l2_norms(grads, np.array([0, 2, 3]))
     tensor([5.0000e+00, 1.0000e-30, 1.0000e+30], dtype=torch.float64)
     """
-    values = _flat(grads).numpy()
-    squares = np.square(values, dtype=np.float64)
-    return torch.from_numpy(np.sqrt(np.add.reduceat(squares, offsets)))
+    return torch.from_numpy(np.sqrt(packed_squares(grads, offsets)))
+
+
+def packed_squares(grads: list[Tensor], offsets: np.ndarray) -> np.ndarray:
+    """float64 squared L2 norms of many small fp32 CPU tensors (see `packed_l2_norms`)."""
+    return np.add.reduceat(np.square(_flat(grads).numpy(), dtype=np.float64), offsets)
 
 
 def stat_rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) -> Tensor:

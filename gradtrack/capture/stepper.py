@@ -37,7 +37,12 @@ class Stepper:
         if probes.accumulation is not None:
             probes.accumulation.backward()
         backward_order = probes.backward_order()
-        plan = self.judge.plan(step, micro_batches=probes.end_step())
+        micro_batches = probes.end_step()
+        if self.judge.quiet(step):  # the common step: healthy, between logged ones
+            if probes.origin is not None:
+                probes.origin.forget()
+            return False
+        plan = self.judge.plan(step, micro_batches)
         if plan is None:
             return False
         origin = self.collect.origin_of(plan, probes)

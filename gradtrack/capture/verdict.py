@@ -17,11 +17,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gradtrack.capture.collect import Collector, Guard
+from gradtrack.capture.collect import Collector, DevicePlan, Guard
+from gradtrack.capture.flight_ring import FlightRecorder
 from gradtrack.capture.latch import BadStepLatch
 from gradtrack.capture.schedule import StepSchedule
 from gradtrack.capture.skip import Skip
-from gradtrack.capture.spike import on_host
+from gradtrack.capture.spike import LayerNorms, NormWindow, on_host
+from gradtrack.capture.stats import accumulation_dtype, packed_squares
 from gradtrack.capture.step_rules import StepRules, Trip
 from gradtrack.capture.step_signals import Signals
 from gradtrack.errors import GradientAlertError
@@ -77,6 +79,72 @@ class StepPlan:
         return self.due or flagged or self.judge_now
 
 
+class QuietSteps:
+    """The common step, in one short pass: one between logged steps, of a model whose
+    gradients are dense on one CPU device, watched with no skip or raise rule. Its plain
+    fp32 norms (the floor's pass; many small tensors packed, see `l2_norms`), its total and
+    layer norms, the spike test, the flight recorder's row — nothing else, no object made.
+
+    True: the step was healthy (finite, no column spiking) and was taken into the spike
+    window and the flight recorder, and needs nothing more. False leaves no trace, for
+    `StepJudge.plan` to judge the step in full (a bad or spiking step, a layout that is not
+    the simple one, a fault)."""
+
+    def __init__(
+        self,
+        collector: Collector,
+        layer_norms: LayerNorms | None,
+        spikes: NormWindow | None,
+        flight: FlightRecorder | None,
+    ) -> None:
+        self._params = collector.params
+        self._layouts = collector.layouts
+        self._tensor_layer = collector.index.tensor_layer
+        self._columns = 1 if layer_norms is None else layer_norms.columns
+        self._spikes = spikes
+        self._flight = flight
+        self._plan: list[DevicePlan] | None = None  # the layout whose columns are below
+        self._packed: np.ndarray | None = None
+        self._accumulate: torch.dtype | None = None
+        self._layer_columns = np.zeros(0, dtype=np.int64)
+
+    def __call__(self, step: int) -> bool:
+        grads: list[torch.Tensor] = [p.grad for p in self._params]  # type: ignore[misc]
+        plan = self._layouts.plan(grads)  # (None where one is absent: not the simple layout)
+        if plan is not self._plan and not self._learn(plan, grads):
+            return False
+        if self._packed is not None:
+            squares = packed_squares(grads, self._packed)
+        else:
+            plain = torch._foreach_norm(grads, 2, dtype=self._accumulate)
+            squares = np.square(torch.stack(plain).numpy(), dtype=np.float64)
+        if self._columns == 1:
+            return math.isfinite(squares.sum())
+        norms = np.bincount(self._layer_columns, weights=squares, minlength=self._columns)
+        norms[0] = norms.sum()
+        if not math.isfinite(norms[0]):  # (NaN, Inf, or an fp32 norm that overflowed)
+            return False
+        np.sqrt(norms, out=norms)
+        if self._spikes is not None and not self._spikes.quiet(norms):
+            return False
+        if self._flight is not None:
+            self._flight.record_host(step, norms)
+        return True
+
+    def _learn(self, plan: list[DevicePlan], grads: list[torch.Tensor]) -> bool:
+        """Whether ``plan`` (a new layout) is the simple one this pass serves; if so, its
+        columns are kept for the steps that follow."""
+        if len(plan) != 1 or plan[0].device.type != "cpu" or len(plan[0].groups) != 1:
+            return False
+        group = plan[0].groups[0]
+        if not group.simple or len(group.indices) != len(self._params):
+            return False  # (an absent, sparse, complex or empty gradient: `plan` judges)
+        self._plan, self._packed = plan, group.offsets
+        self._accumulate = accumulation_dtype(grads[0].dtype)
+        self._layer_columns = self._tensor_layer[plan[0].tensors] + 1
+        return True
+
+
 class StepJudge:
     """Guards each step (one batched norm pass), judges it and plans it.
 
@@ -114,6 +182,26 @@ class StepJudge:
         self._on_error = on_error
         # The last judged step's total and layer norms (`LayerNorms`), on the device.
         self.layer_norms: torch.Tensor | None = None
+        plain = collector.partitions is None and collector.mesh is None
+        served = plain and not collector.local_shards and every_step and not raises
+        self._quiet = (
+            QuietSteps(collector, signals.layer_norms, signals.spikes, signals.flight)
+            if served and signals.skips is None
+            else None
+        )
+
+    def quiet(self, step: int) -> bool:
+        """True: step ``step``, not due, was healthy and fully judged in the short pass
+        (`QuietSteps`); False: `plan` judges it."""
+        quiet = self._quiet
+        if quiet is None or self.reads_host is False or self.collector.foreach_only:
+            return False
+        if self.latch is not None or self.schedule.any_due(step):
+            return False
+        try:
+            return quiet(step)
+        except Exception:  # judged in full instead, where a fault is reported
+            return False
 
     def plan(self, step: int, micro_batches: list[int]) -> StepPlan | None:
         """Guard step ``step``, judge it, record it in the flight recorder and plan it; None
