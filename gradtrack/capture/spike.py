@@ -68,7 +68,7 @@ class LayerNorms:
 
 # Steps whose norms wait before they enter the window (see `NormWindow`): the window's
 # arithmetic, ~25 operations, then runs once per this many steps instead of every step.
-REFRESH = 8
+REFRESH = 16
 
 
 class NormWindow:
@@ -102,7 +102,7 @@ class NormWindow:
         self.size = 3 * self.columns
         self.window = window
         self.warmup = warmup
-        self.refresh = max(1, min(refresh, window))
+        self.refresh = max(1, min(refresh, window, warmup))  # (armed by the end of its warmup)
         self._z = np.asarray(z, dtype=np.float64)
         self._log_ratio = np.log10(np.asarray(ratio, dtype=np.float64))
         self._enabled = np.asarray(enabled, dtype=bool)

@@ -79,6 +79,11 @@ class StepPlan:
         return self.due or flagged or self.judge_now
 
 
+# Up to this many columns × tensors, a quiet step sums its layers' squares by one product
+# with a 0/1 matrix (one operation); beyond it, by a bincount (O(tensors)).
+_SUMS_BY_PRODUCT = 1 << 14
+
+
 class QuietSteps:
     """The common step, in one short pass: one between logged steps, of a model whose
     gradients are dense on one CPU device, watched with no skip or raise rule. Its plain
@@ -107,6 +112,7 @@ class QuietSteps:
         self._packed: np.ndarray | None = None
         self._accumulate: torch.dtype | None = None
         self._layer_columns = np.zeros(0, dtype=np.int64)
+        self._sums: np.ndarray | None = None  # [columns, tensors] 0/1, where small
 
     def __call__(self, step: int) -> bool:
         grads: list[torch.Tensor] = [p.grad for p in self._params]  # type: ignore[misc]
@@ -120,8 +126,11 @@ class QuietSteps:
             squares = np.square(torch.stack(plain).numpy(), dtype=np.float64)
         if self._columns == 1:
             return math.isfinite(squares.sum())
-        norms = np.bincount(self._layer_columns, weights=squares, minlength=self._columns)
-        norms[0] = norms.sum()
+        if self._sums is not None:  # (one product: the total and each layer's squares)
+            norms = self._sums @ squares
+        else:
+            norms = np.bincount(self._layer_columns, weights=squares, minlength=self._columns)
+            norms[0] = norms.sum()
         if not math.isfinite(norms[0]):  # (NaN, Inf, or an fp32 norm that overflowed)
             return False
         np.sqrt(norms, out=norms)
@@ -142,6 +151,11 @@ class QuietSteps:
         self._plan, self._packed = plan, group.offsets
         self._accumulate = accumulation_dtype(grads[0].dtype)
         self._layer_columns = self._tensor_layer[plan[0].tensors] + 1
+        self._sums = None
+        if self._columns * len(self._layer_columns) <= _SUMS_BY_PRODUCT:
+            self._sums = np.zeros((self._columns, len(self._layer_columns)))
+            self._sums[0] = 1.0
+            self._sums[self._layer_columns, np.arange(len(self._layer_columns))] = 1.0
         return True
 
 
