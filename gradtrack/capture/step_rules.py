@@ -49,10 +49,14 @@ class StepRules:
         """The first of nonfinite, spike, exploding this step trips (``finite``: the guard's
         verdict over every device; ``norms`` cover the first)."""
         if not finite:
+            # Any non-finite layer whose rule acts (the first of them), else the total where
+            # no layer's norm shows it (the total overflowed, or another device's).
             bad = np.flatnonzero(nonfinite_columns(norms[1:])) + 1
-            column = int(bad[0]) if len(bad) else 0
-            if self._nonfinite[column]:
-                return self._trip("nonfinite", column)
+            acting = bad[self._nonfinite[bad]] if len(bad) else bad
+            if len(acting):
+                return self._trip("nonfinite", int(acting[0]))
+            if not len(bad) and self._nonfinite[0]:
+                return self._trip("nonfinite", 0)
         if spike is not None:
             fields = spike_fields(spike)
             spiking = spiking_columns(fields["spiking"], self._spike)
