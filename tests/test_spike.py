@@ -154,13 +154,16 @@ def test_a_spike_does_not_take_a_later_nan_steps_place_in_its_window() -> None:
     assert next(e.step for e in sink.events if e.rule == "nonfinite") == 125
 
 
-def _judged_run(short_pass: bool) -> tuple[MemorySink, gradtrack.Watcher]:
+def _judged_run(short_pass: bool, frozen: bool) -> tuple[MemorySink, gradtrack.Watcher]:
     """140 steps with a 300x spike at step 123 and a NaN at step 77 (both between logged
-    steps), with the short pass for healthy steps on or off."""
+    steps), with the short pass for healthy steps on or off; ``frozen``: a layer frozen
+    after watching (its gradients absent)."""
     model = regression_model()
     sink = MemorySink()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     watcher = gradtrack.watch(model, backend=sink, optimizer=optimizer)  # default rules
+    if frozen:
+        model[2].requires_grad_(False)
     if not short_pass:
         watcher.judge._quiet = None  # every step judged in full
     for step in range(140):
@@ -170,7 +173,8 @@ def _judged_run(short_pass: bool) -> tuple[MemorySink, gradtrack.Watcher]:
         nn.functional.mse_loss(model(x), x[:, :1].sin()).backward()
         if step in (77, 123):
             for param in model.parameters():
-                param.grad.mul_(300.0 if step == 123 else math.nan)  # type: ignore[union-attr]
+                if param.grad is not None:
+                    param.grad.mul_(300.0 if step == 123 else math.nan)
         kept = [p.detach().clone() for p in model.parameters()]
         optimizer.step()
         if step == 77:  # the NaN update undone: training goes on healthy
@@ -181,13 +185,15 @@ def _judged_run(short_pass: bool) -> tuple[MemorySink, gradtrack.Watcher]:
     return sink, watcher
 
 
-def test_healthy_steps_judged_in_the_short_pass_judge_as_the_full_pass() -> None:
+@pytest.mark.parametrize("frozen", [False, True], ids=["all_trained", "one_layer_frozen"])
+def test_healthy_steps_judged_in_the_short_pass_judge_as_the_full_pass(frozen: bool) -> None:
     """The short pass a healthy unlogged step takes (`QuietSteps`) keeps the spike window
     and the flight recorder as judging it in full would: same records, spike statistics,
     alerts and flight windows."""
-    quick, quick_watcher = _judged_run(short_pass=True)
-    full, _ = _judged_run(short_pass=False)
-    assert quick_watcher.judge._quiet is not None
+    quick, quick_watcher = _judged_run(short_pass=True, frozen=frozen)
+    full, _ = _judged_run(short_pass=False, frozen=frozen)
+    quiet = quick_watcher.judge._quiet
+    assert quiet is not None and quiet._plan and (quiet._present is not None) == frozen
     assert [r.step for r in quick.records] == [r.step for r in full.records]
     assert {77, 123} <= {r.step for r in quick.records}
     for a, b in zip(quick.records, full.records):

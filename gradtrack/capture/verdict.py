@@ -111,6 +111,7 @@ class QuietSteps:
         self._plan: list[DevicePlan] | None = None  # the layout whose columns are below
         self._packed: np.ndarray | None = None
         self._accumulate: torch.dtype | None = None
+        self._present: list[int] | None = None  # the tensors with a gradient, where not all
         self._layer_columns = np.zeros(0, dtype=np.int64)
         self._sums: np.ndarray | None = None  # [columns, tensors] 0/1, where small
 
@@ -119,6 +120,8 @@ class QuietSteps:
         plan = self._layouts.plan(grads)  # (None where one is absent: not the simple layout)
         if plan is not self._plan and not self._learn(plan, grads):
             return False
+        if self._present is not None:  # (frozen or absent gradients left out)
+            grads = [grads[i] for i in self._present]
         if self._packed is not None:
             squares = packed_squares(grads, self._packed)
         else:
@@ -146,10 +149,12 @@ class QuietSteps:
         if len(plan) != 1 or plan[0].device.type != "cpu" or len(plan[0].groups) != 1:
             return False
         group = plan[0].groups[0]
-        if not group.simple or len(group.indices) != len(self._params):
-            return False  # (an absent, sparse, complex or empty gradient: `plan` judges)
+        if not group.simple:
+            return False  # (a sparse, complex or empty gradient: `plan` judges)
         self._plan, self._packed = plan, group.offsets
-        self._accumulate = accumulation_dtype(grads[0].dtype)
+        every = len(group.indices) == len(self._params)
+        self._present = None if every else list(group.indices)
+        self._accumulate = accumulation_dtype(grads[group.indices[0]].dtype)
         self._layer_columns = self._tensor_layer[plan[0].tensors] + 1
         self._sums = None
         if self._columns * len(self._layer_columns) <= _SUMS_BY_PRODUCT:
