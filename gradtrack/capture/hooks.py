@@ -29,6 +29,14 @@ def _and(previous: Tensor | None, current: Tensor) -> Tensor:
     return current if previous is None else torch.logical_and(previous, current)
 
 
+def float_tensors(value: Any) -> list[Tensor]:
+    """The floating-point tensors in a module's output (or inputs): a nest of tuples, lists
+    and dicts walked only where the value is not one tensor (the usual output)."""
+    if type(value) is Tensor:
+        return [value] if value.is_floating_point() else []
+    return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point()]
+
+
 class OutputProbe:
     """Is the model output finite, is the gradient that reaches it finite, and how large?
 
@@ -48,12 +56,11 @@ class OutputProbe:
     def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._is_due():
             return  # inside a compiled graph: see "Compiled regions" above
-        for leaf in tree_leaves(output):
-            if isinstance(leaf, Tensor) and leaf.is_floating_point():
-                with torch.no_grad():
-                    self.output_finite = _and(self.output_finite, torch.isfinite(leaf).all())
-                if leaf.requires_grad:
-                    leaf.register_hook(self._output_grad)
+        for leaf in float_tensors(output):
+            with torch.no_grad():
+                self.output_finite = _and(self.output_finite, torch.isfinite(leaf).all())
+            if leaf.requires_grad:
+                leaf.register_hook(self._output_grad)
 
     def _output_grad(self, grad: Tensor) -> None:
         with torch.no_grad():
@@ -155,8 +162,8 @@ class ActivationProbe:
     def _after_forward(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._is_due():
             return  # inside a compiled graph: see "Compiled regions" above
-        for leaf in tree_leaves(output):
-            if isinstance(leaf, Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+        for leaf in float_tensors(output):
+            if leaf.requires_grad:
                 leaf.register_hook(functools.partial(self._output_grad, index))
 
     def _output_grad(self, index: int, grad: Tensor) -> None:

@@ -15,9 +15,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from gradtrack.capture.hooks import float_tensors
 from gradtrack.capture.layers import ROOT_LAYER_NAME
 
 ReplayStage = Literal["forward", "loss", "backward"]
@@ -31,12 +31,6 @@ class Origin:
     module: str | None
     stage: ReplayStage | None
     note: str = ""
-
-
-def _floats(value: Any) -> list[Tensor]:
-    if type(value) is Tensor:  # (the usual output: no pytree walk, every forward)
-        return [value] if value.is_floating_point() else []
-    return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point()]
 
 
 def _all_finite(tensors: Sequence[Tensor | None]) -> Tensor:
@@ -97,7 +91,7 @@ class OriginProbe:
     def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        leaves = [leaf for leaf in _floats(output) if leaf.requires_grad]
+        leaves = [leaf for leaf in float_tensors(output) if leaf.requires_grad]
         if sum(leaf.numel() * leaf.element_size() for leaf in leaves) > MAX_KEPT_OUTPUT_GRAD_BYTES:
             self._output_too_large = True  # never hold what training would free
             return
@@ -160,7 +154,7 @@ class _Replay:
 
     def origin(self) -> Origin:
         # Flags stay on the device until the pass ends: one read per pass.
-        if not _finite(_floats((self.args, self.kwargs))):
+        if not _finite(float_tensors((self.args, self.kwargs))):
             return Origin(None, "forward", "the input batch itself holds NaN/Inf")
         forward_bad = self._forward_bad()
         if forward_bad:
@@ -187,7 +181,7 @@ class _Replay:
         forward: list[tuple[str, Tensor]] = []  # (module, output finite), in execution order
 
         def after_forward(module: nn.Module, _args: Any, output: Any) -> None:
-            forward.append((self.names[module], _all_finite(_floats(output))))
+            forward.append((self.names[module], _all_finite(float_tensors(output))))
 
         handles = [m.register_forward_hook(after_forward) for m in self.names]
         try:
@@ -216,9 +210,8 @@ class _Replay:
             if self.rng is not None:
                 torch.set_rng_state(self.rng)  # the same dropout masks as the first replay
             with torch.enable_grad():
-                outputs = [
-                    t for t in _floats(self.model(*self.args, **self.kwargs)) if t.requires_grad
-                ]
+                replayed = self.model(*self.args, **self.kwargs)
+                outputs = [t for t in float_tensors(replayed) if t.requires_grad]
                 params = [p for p in self.model.parameters() if p.requires_grad]
                 grads = torch.autograd.grad(
                     outputs, params, self.output_grads[: len(outputs)], allow_unused=True

@@ -242,16 +242,24 @@ def _chunk_owner(numels: tuple[int, ...], chunk: int) -> Tensor | None:
 def _repair(norms: Tensor, grads: list[Tensor], ord: int) -> None:
     """Redo exactly, all at once, the CPU norms accumulation may have over- or underflowed."""
     values = norms.numpy()
-    numel = np.array([g.numel() for g in grads], dtype=np.float64)
-    smallest = _SMALLEST_NORMAL.get(grads[0].dtype, _FP32_SMALLEST_NORMAL)
-    enough = numel * smallest / 1e-6  # the least sum whose flushed terms cannot matter
-    floor = np.sqrt(enough) if ord == 2 else enough
+    floor = _repair_floor(tuple(g.numel() for g in grads), grads[0].dtype, ord)
+    if (values >= floor).all() and (values < math.inf).all():
+        return  # (the usual step: two comparisons; NaN stays NaN, as below)
     with np.errstate(invalid="ignore"):
         # (0 too: an all-zero gradient, a dead layer, is common; one whose squares all
         # underflowed is not, but only the exact pass tells them apart)
         redo = np.flatnonzero(np.isinf(values) | ((values >= 0) & (values < floor)))
     if len(redo):
         norms[redo] = exact_norms([grads[i] for i in redo], ord)
+
+
+@functools.lru_cache(maxsize=64)
+def _repair_floor(numels: tuple[int, ...], dtype: torch.dtype, ord: int) -> np.ndarray:
+    """Per tensor, the least norm the accumulation cannot have lost precision in (see
+    `_SMALLEST_NORMAL`). Cached: the same layout comes back every step."""
+    smallest = _SMALLEST_NORMAL.get(dtype, _FP32_SMALLEST_NORMAL)
+    enough = np.array(numels, dtype=np.float64) * smallest / 1e-6
+    return np.sqrt(enough) if ord == 2 else enough
 
 
 def exact_norms(grads: list[Tensor], ord: int) -> Tensor:
