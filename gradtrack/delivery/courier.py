@@ -433,20 +433,24 @@ class SpooledCourier(SinkCourier):
         return self.stalled or time.monotonic() - quiet_since > patience_s
 
     def _run_call(self, call: _Call, complete: bool) -> None:
+        method, _, done = call
+        # Said before the call leaves the queue and until its caller is told: a progress
+        # line in between would otherwise find nothing left and nothing next.
+        self._ending = _DOING[method]
         with self._changed:
             self._calls.popleft()
         self._waiting_for = None
-        method, _, done = call
-        self._ending = _DOING[method]
         try:
             if method == "close":
                 self._call("end", self._end, complete, *call[1][2:])
             else:
                 self._call(method, self._tracker.flush)
-        finally:
+        except BaseException:
             self._ending = None
+            raise
         if done is not None:
             done.set()
+        self._ending = None
 
     def describe_left(self) -> str:
         """``1,200 step(s) of metrics, 3 alert(s), 12 step(s) of histograms``, or what the
