@@ -434,9 +434,7 @@ class SpooledCourier(SinkCourier):
 
     def _run_call(self, call: _Call, complete: bool) -> None:
         method, _, done = call
-        # Said before the call leaves the queue and until its caller is told: a progress
-        # line in between would otherwise find nothing left and nothing next.
-        self._ending = _DOING[method]
+        self._ending = _DOING[method]  # (said from before it leaves the queue until it is done)
         with self._changed:
             self._calls.popleft()
         self._waiting_for = None
@@ -445,12 +443,10 @@ class SpooledCourier(SinkCourier):
                 self._call("end", self._end, complete, *call[1][2:])
             else:
                 self._call(method, self._tracker.flush)
-        except BaseException:
+            if done is not None:
+                done.set()
+        finally:
             self._ending = None
-            raise
-        if done is not None:
-            done.set()
-        self._ending = None
 
     def describe_left(self) -> str:
         """``1,200 step(s) of metrics, 3 alert(s), 12 step(s) of histograms``, or what the
