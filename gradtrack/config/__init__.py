@@ -1,19 +1,14 @@
-"""gradtrack's configuration: the pydantic models (`gradtrack.config.models`), the alert
-rules (`gradtrack.config.rules`), and where values come from (`gradtrack.config.loading`)."""
+"""gradtrack's configuration: the pydantic models (`gradtrack.config.settings`), the alert
+rules (`gradtrack.config.rules`) and where values come from."""
 
-from gradtrack.config.loading import (
+from gradtrack.config.settings import (
     ENV_CONFIG_FILE,
     ENV_DISABLED,
     ENV_PREFIX,
     ENV_SOURCE,
     ENV_SPOOL_DIR,
-    ConfigSource,
-    load_config,
-    read_config_file,
-    read_env,
-)
-from gradtrack.config.models import (
     FIELDS,
+    ConfigSource,
     ConsoleOptions,
     DeliveryOptions,
     DistributedOptions,
@@ -26,6 +21,9 @@ from gradtrack.config.models import (
     SpoolOptions,
     TensorboardOptions,
     WandbOptions,
+    load_config,
+    read_config_file,
+    read_env,
     redacted_config,
 )
 
