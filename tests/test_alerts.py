@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.alerts import AlertEvent
 from gradtrack.errors import GradientWarning, GradtrackConfigError
+from gradtrack.formats.event import AlertEvent
 from gradtrack.sinks import ConsoleSink, MemorySink
 from tests.conftest import NoUpdate
 

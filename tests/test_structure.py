@@ -180,7 +180,7 @@ def test_skip_raise_and_alerts_share_one_check_per_rule_family() -> None:
     trips = "gradtrack.handoff.trips"
     users = sorted(name for name, deps in GRAPH.items() if trips in deps)
     assert users == [
-        "gradtrack.alerts.exploding",
+        "gradtrack.alerts.magnitude",
         "gradtrack.alerts.nonfinite",
         "gradtrack.capture.step_rules",
     ]

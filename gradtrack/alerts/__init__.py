@@ -1,10 +1,12 @@
 """Alert rules applied to step records: pure logic, `StepRecord` in, `AlertEvent`s out.
 
 Each message carries a diagnosis — the likely cause and what to try — from the evidence.
-`AlertEngine` (``engine``) applies the rules; each rule family has a module of its own
-(``nonfinite``, ``exploding``, ``vanishing``, ``dead``, ``spikes``, ``update_ratio``,
-``learning_rate``, ``jump``, ``flow``, ``amp``) over the state they share (``rulebook``,
-``cooldown``, ``patience``, ``kinds``, ``blame``, and ``story``: the incident a cause opens).
+`AlertEngine` (``engine``) applies the rules; each group of rules has a module of its own
+(``nonfinite``: non-finite gradients and GradScaler overflow; ``magnitude``: exploding,
+vanishing, dead and spiking norms; ``flow``: breaks and gradual fading along depth;
+``learning_rate``: the learning rate as the cause, and update ratios) over the state they
+share (``book``: the rules per layer, cooldowns and patience; ``wording``: message pieces and
+the story, the incident a cause opens).
 """
 
 from gradtrack.alerts.engine import AlertEngine

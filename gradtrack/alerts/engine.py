@@ -1,8 +1,13 @@
 """`AlertEngine`: applies every alert rule to a step record, in one fixed order.
 
-It composes the rule families (one module each) over the state they share: the rules as
-they apply per layer (`RuleBook`), the cooldowns (`Cooldowns`), the layers' kinds and the
-total norms seen so far; then merges the events of layers that tripped together.
+It composes the rule families (a module per group of rules) over the state they share: the
+rules as they apply per layer (`RuleBook`), the cooldowns (`Cooldowns`), the layers' kinds
+and the total norms seen so far. Then two passes over a step's events:
+
+- `merge_layers`: one event per rule for the layers that tripped it together, led by the
+  culprit. A deep model whose gradient vanishes trips the rule in hundreds of layers at
+  once; that is one finding, and a tracker that notifies per alert must see it once.
+- `told_skipped`: what a step left out of training (``action="skip"``) adds to its events.
 """
 
 from __future__ import annotations
@@ -12,24 +17,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from gradtrack.alerts.amp import AmpCheck
-from gradtrack.alerts.blame import BackwardOrder
-from gradtrack.alerts.cooldown import Cooldowns
-from gradtrack.alerts.dead import DeadCheck
-from gradtrack.alerts.exploding import ExplodingCheck
-from gradtrack.alerts.flow import FlowCheck
-from gradtrack.alerts.jump import JumpCheck
-from gradtrack.alerts.kinds import LayerKinds
-from gradtrack.alerts.learning_rate import LearningRateCheck
-from gradtrack.alerts.merge import merge_layers
-from gradtrack.alerts.nonfinite import NonFiniteCheck
-from gradtrack.alerts.rulebook import RuleBook
-from gradtrack.alerts.skipped import told_skipped
-from gradtrack.alerts.spikes import SpikeCheck
-from gradtrack.alerts.story import Story
-from gradtrack.alerts.update_ratio import UpdateRatioCheck
-from gradtrack.alerts.vanishing import VanishingCheck
-from gradtrack.alerts.wording import sentence
+from gradtrack.alerts.book import Cooldowns, RuleBook
+from gradtrack.alerts.flow import FlowCheck, JumpCheck, LayerKinds
+from gradtrack.alerts.learning_rate import LearningRateCheck, UpdateRatioCheck
+from gradtrack.alerts.magnitude import DeadCheck, ExplodingCheck, SpikeCheck, VanishingCheck
+from gradtrack.alerts.nonfinite import AmpCheck, BackwardOrder, NonFiniteCheck
+from gradtrack.alerts.wording import Story, listed, sentence
 from gradtrack.config.rules import AlertRules
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
@@ -101,3 +94,67 @@ class AlertEngine:
         if record.skipped_by:
             events = told_skipped(record, events, self._book, self.rank)
         return [e.model_copy(update={"message": sentence(e.message)}) for e in events]
+
+
+def merge_layers(events: list[AlertEvent], book: RuleBook) -> list[AlertEvent]:
+    """One event per rule (and severity, action) for the layers that tripped together, in
+    the order each group first appears; non-finite and whole-model events stay apart."""
+    slots: dict[tuple[str, str, str, str], int] = {}  # group → its place in the output
+    groups: list[list[AlertEvent]] = []
+    for event in events:
+        if event.rule == "nonfinite" or event.layer is None:
+            groups.append([event])
+            continue
+        action = book.rule(event.rule, event.layer).action
+        key = (event.rule, event.severity, action, str(event.silenced))
+        if key not in slots:
+            slots[key] = len(groups)
+            groups.append([])
+        groups[slots[key]].append(event)
+    return [group[0] if len(group) == 1 else _merged(group, book.depth) for group in groups]
+
+
+def _merged(group: list[AlertEvent], depth: dict[str, int]) -> AlertEvent:
+    """The events of one rule at one step as one, led by the culprit: for ``dead``, the
+    deepest dead layer whose next layer still gets gradient (where the flow stops); for
+    ``jump``, the weak side of the largest break; otherwise the layer furthest past its
+    threshold (per-layer overrides may set different ones)."""
+
+    def past_threshold(event: AlertEvent) -> float:
+        return event.value / event.threshold if event.threshold else event.value
+
+    if group[0].rule == "dead":
+        stops = [e for e in group if "The flow stops here" in e.message] or group
+        worst = max(stops, key=lambda e: depth.get(e.layer or "", -1))
+    else:
+        worst = (min if group[0].rule == "vanishing" else max)(group, key=past_threshold)
+    layers = tuple(e.layer for e in group if e.layer is not None)
+    others = [name for name in layers if name != worst.layer]
+    lead = "the culprit" if group[0].rule in ("dead", "jump") else "the worst"
+    message = (
+        f"{worst.rule} in {len(layers)} layers at once; {lead}: {worst.message} "
+        f"The others: {listed(others)}."
+    )
+    return worst.model_copy(update={"layers": layers, "message": message})
+
+
+def told_skipped(
+    record: StepRecord, events: list[AlertEvent], book: RuleBook, rank: int
+) -> list[AlertEvent]:
+    """The event of a skipped step says so; a skip no rule event explains still is one."""
+    note = (
+        f" The optimizer step was skipped (action='skip'): weights and optimizer state "
+        f"are unchanged; {record.skipped_steps} step(s) skipped so far."
+    )
+    rule = record.skipped_by
+    for i, event in enumerate(events):
+        if event.rule == rule:
+            events[i] = event.model_copy(update={"message": event.message + note})
+            return events
+    severity = book.rule(rule or "nonfinite", None).severity
+    fallback = AlertEvent(
+        step=record.step, wall_time=record.wall_time, rule=rule or "skip", layer=None,
+        statistic="total_norm", value=record.total_norm, threshold=None, severity=severity,
+        rank=rank, message=f"step {record.step} tripped {rule} at its guard.{note}",
+    )  # fmt: skip
+    return [*events, fallback]

@@ -1,21 +1,128 @@
-"""The ``flow`` rule: gradient that vanishes or explodes gradually along depth — the first
-layers of a role get far less (or more) gradient than its last, for ``patience`` steps."""
+"""The rules on gradient flow along depth, which compare layers of one kind with each other.
+
+- ``jump``: gradient flow that breaks between two depths — every layer of a kind on one side
+  has a gradient RMS ``ratio`` below every layer of that kind on the other.
+- ``flow``: gradient that vanishes or explodes gradually along depth — the first layers of a
+  role get far less (or more) gradient than its last, for ``patience`` steps.
+
+`LayerKinds`: what each layer is compared with by these rules — its module type, or per
+parameter its role (`gradtrack.capture.layers.layer_kinds`).
+"""
 
 from __future__ import annotations
 
 import math
 import re
 from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from gradtrack.alerts.check import Check
-from gradtrack.alerts.cooldown import Cooldowns
-from gradtrack.alerts.kinds import LayerKinds
-from gradtrack.alerts.rulebook import RuleBook
+from gradtrack.alerts.book import Check, Cooldowns, RuleBook
 from gradtrack.alerts.wording import counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.layout import SPARSE_KINDS
+
+
+class LayerKinds:
+    """The kind of each layer, in depth order (``depth``: layer name → position)."""
+
+    def __init__(self, kinds: Sequence[str], depth: dict[str, int]) -> None:
+        self._kinds = list(kinds)
+        self._depth = depth
+
+    def of(self, layer: str | None) -> str | None:
+        """The kind of ``layer`` (None: the whole model has none)."""
+        return None if layer is None else self._kinds[self._depth[layer]]
+
+    def comparable(self, record: StepRecord) -> dict[str, np.ndarray]:
+        """Rows (depth order) with a finite, non-zero gradient RMS, per kind of layer; layers
+        with row-sparse gradients (embeddings) are compared with nothing."""
+        rms = record.column("rms")
+        by_kind: dict[str, list[int]] = {}
+        for j in np.flatnonzero(np.isfinite(rms) & (rms > 0)):
+            kind = self._kinds[self._depth[record.layers[j]]]
+            if kind not in SPARSE_KINDS:
+                by_kind.setdefault(kind, []).append(int(j))
+        return {kind: np.array(rows) for kind, rows in by_kind.items() if len(rows) > 1}
+
+
+class Envelope(NamedTuple):
+    """At each boundary between consecutive layers of one kind (depth order): the extremes of
+    the RMS on either side, which side is weak, and by how much it is below the other."""
+
+    above_max: np.ndarray  # layers nearer the input
+    above_min: np.ndarray
+    below_min: np.ndarray  # layers nearer the loss
+    below_max: np.ndarray
+    upstream_weak: np.ndarray  # else the side nearer the loss is the weak one
+    weak: np.ndarray  # per boundary, the position of the weak side's layer next to it
+    ratio: np.ndarray
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Envelope:
+        """The envelope of the gradient RMS ``values`` of one kind's layers, in depth order."""
+        above_max = np.maximum.accumulate(values)[:-1]
+        above_min = np.minimum.accumulate(values)[:-1]
+        below_min = np.minimum.accumulate(values[::-1])[::-1][1:]
+        below_max = np.maximum.accumulate(values[::-1])[::-1][1:]
+        starved, flooded = below_min / above_max, above_min / below_max
+        upstream_weak = starved >= flooded
+        boundary = np.arange(len(values) - 1)
+        weak = np.where(upstream_weak, boundary, boundary + 1)
+        ratio = np.maximum(starved, flooded)
+        return cls(above_max, above_min, below_min, below_max, upstream_weak, weak, ratio)
+
+
+class JumpCheck(Check):
+    """Where every layer of a kind on one side of a depth is ``ratio`` below every layer
+    of that kind on the other: an envelope, so that one layer that is small by nature
+    (a query projection at initialisation) next to normal ones is no break."""
+
+    def __init__(self, book: RuleBook, cooldowns: Cooldowns, kinds: LayerKinds) -> None:
+        super().__init__(book, cooldowns)
+        self.kinds = kinds
+
+    def check(self, record: StepRecord) -> list[AlertEvent]:
+        """The breaks of every kind of layer at this step."""
+        rms = record.column("rms")
+        events: list[AlertEvent] = []
+        for kind, rows in self.kinds.comparable(record).items():
+            events += self._breaks(record, kind, rows, Envelope.of(rms[rows]))
+        return events
+
+    def _breaks(
+        self, record: StepRecord, kind: str, rows: np.ndarray, env: Envelope
+    ) -> list[AlertEvent]:
+        """The boundaries within one kind's ``rows`` past their layer's ``ratio``."""
+        idx = self.book.at([record.layers[j] for j in rows[env.weak]])
+        limit = self.book.param("jump", "ratio", idx)
+        events: list[AlertEvent] = []
+        for k in np.flatnonzero(self.book.enabled("jump", idx) & (env.ratio > limit)):
+            up = bool(env.upstream_weak[k])
+            strong = k + 1 if up else k
+            a, b = record.layers[rows[env.weak[k]]], record.layers[rows[strong]]
+            if up:
+                low, high = env.above_max[k], env.below_min[k]
+            else:
+                low, high = env.below_max[k], env.above_min[k]
+            side, other = ("up to", "from") if up else ("from", "up to")
+            events += self.cooldowns.emit(
+                record, "jump", a, statistic="rms_ratio", value=float(env.ratio[k]),
+                threshold=float(limit[k]),
+                message=(
+                    f"gradient flow breaks between {a} and {b}: every {kind} layer {side} "
+                    f"{a} has a gradient RMS of at most {low:.3g}, {env.ratio[k]:.3g}× below "
+                    f"every {kind} layer {other} {b} (at least {high:.3g}). {a} is the weak "
+                    "side. Look at what lies between them: a scale far from 1 (a tiny "
+                    "constant, a near-zero initialisation), a saturating activation, a "
+                    ".detach(), or a missing residual path or normalisation."
+                ),
+            )  # fmt: skip
+        return events
+
 
 _DIGITS = re.compile(r"\d+")
 

@@ -1,19 +1,25 @@
-"""The ``nonfinite`` rule: NaN or Inf in a step's gradient — where it was made, and why.
+"""The rules on non-finite gradients: ``nonfinite`` (NaN or Inf in a step's gradient — where it
+was made, and why) and ``amp`` (GradScaler overflow).
 
-Its message tells apart an input batch, a forward pass, a loss and a backward pass that made
-it, and weights that are already non-finite (an earlier bad update was applied), which no
-batch can recover from.
+The ``nonfinite`` message tells apart an input batch, a forward pass, a loss and a backward
+pass that made it, and weights that are already non-finite (an earlier bad update was
+applied), which no batch can recover from. `BackwardOrder` says which layer, and which pass,
+a step's non-finite gradient is blamed on: a replay (`gradtrack.capture.origin`) or the
+weights check names it when it ran; otherwise the non-finite layer nearest the loss — the
+first whose gradient became ready in backward. `nonfinite_diagnosis` words where it arose
+and what to try for it.
+
+``amp``: a step the GradScaler skipped is ``info``; ``max_skips`` in a row means the model
+itself produces Inf/NaN, whatever the scale.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from gradtrack.alerts.blame import BackwardOrder
-from gradtrack.alerts.check import Check
-from gradtrack.alerts.cooldown import Cooldowns
-from gradtrack.alerts.diagnosis import nonfinite_diagnosis
-from gradtrack.alerts.rulebook import RuleBook
+from gradtrack.alerts.book import Check, Cooldowns, RuleBook
 from gradtrack.alerts.wording import counted, listed
 from gradtrack.formats.event import AlertEvent, Stage
 from gradtrack.formats.record import StepRecord
@@ -125,3 +131,113 @@ def _ranks(record: StepRecord) -> str:
     if ranks is not None:
         return "; every rank's local gradient was finite: the all-reduce overflowed"
     return ""
+
+
+class BackwardOrder:
+    """The order layers' gradients became ready in a backward pass, and what it blames."""
+
+    def __init__(self, depth: dict[str, int]) -> None:
+        self._depth = depth
+        self._position: dict[str, int] = {}
+
+    def set(self, layers: Sequence[str]) -> None:
+        """Layers in the order their gradients became ready in a backward pass."""
+        self._position = {name: i for i, name in enumerate(layers)}
+
+    def origin(self, record: StepRecord, bad: list[str]) -> tuple[str | None, Stage]:
+        """Where the non-finite gradient of ``record`` was made, of its ``bad`` layers."""
+        if record.nonfinite_weights:
+            return record.nonfinite_weights[0], "weights"
+        if record.origin_module_stage in ("loss", "forward") and record.origin_module is None:
+            return None, record.origin_module_stage  # type: ignore[return-value]
+        if record.origin_module is not None and record.origin_module_stage is not None:
+            return record.origin_module, record.origin_module_stage  # type: ignore[return-value]
+        if record.output_finite is False:
+            stage: Stage = "forward"
+        elif record.output_grad_finite is False:
+            stage = "loss"
+        else:
+            stage = "backward"
+        if not bad or stage == "loss":  # no layer made it: the loss did
+            return None, stage
+        unknown = len(self._position)
+        # Nearest the loss: first in backward order; never seen there → deepest in the model.
+        origin = min(
+            bad,
+            key=lambda layer: (self._position.get(layer, unknown), -self._depth.get(layer, 0)),
+        )
+        return origin, stage
+
+
+# The seed's fix column: an eps or a clamp on the op that made it, a GradScaler under fp16.
+_FIX = (
+    "an eps or a clamp where a log, sqrt or division meets 0 or a negative "
+    "(torch.log(x.clamp_min(1e-8)), torch.sqrt(x + 1e-8), x / (y + 1e-8)), "
+    "exp/pow overflow, and under fp16 AMP a GradScaler (or bf16)"
+)
+
+
+def nonfinite_diagnosis(record: StepRecord, origin: str | None, stage: Stage) -> tuple[str, str]:
+    """Where it arose, and what to try; a ``"weights"`` stage has a message of its own
+    (`NonFiniteCheck`)."""
+    if stage == "forward" and record.origin_note.startswith("the input batch"):
+        return (
+            "from the input batch: it already held NaN/Inf (forward pass)",
+            "check the data pipeline (missing values, a division in preprocessing): "
+            "torch.isfinite(batch).all() where the batch is made",
+        )
+    if stage == "forward":
+        made = f" at {origin}'s output" if record.origin_module else ""
+        return (
+            f"made in the forward pass{made} (the model output was already non-finite)",
+            f"look at {origin}'s forward: {_FIX}; and the input batch for NaN/Inf"
+            if record.origin_module
+            else f"the input batch for NaN/Inf and the forward numerics: {_FIX}",
+        )
+    if stage == "loss":
+        return (
+            "made by the loss: the gradient reaching the model output was already non-finite",
+            f"the loss produced it (log(0), division by zero, sqrt of 0, targets outside "
+            f"the loss's range): {_FIX}; prefer fused losses (cross_entropy on logits, "
+            "binary_cross_entropy_with_logits)",
+        )
+    return (
+        f"first at {origin} (backward; model output finite)",
+        f"look at the ops in {origin}'s backward: {_FIX}; then the learning rate (lower it, "
+        "or clip the gradient norm)",
+    )
+
+
+class AmpCheck(Check):
+    """Counts the steps in a row the GradScaler skipped."""
+
+    def __init__(self, book: RuleBook, cooldowns: Cooldowns) -> None:
+        super().__init__(book, cooldowns)
+        self._skips = 0
+
+    def check(self, record: StepRecord) -> list[AlertEvent]:
+        """A step under a GradScaler (``record.amp_skipped`` is not None)."""
+        rule = self.book.rule("amp", None)
+        if not record.amp_skipped:
+            self._skips = 0
+            return []
+        self._skips += 1
+        if not rule.enabled:
+            return []
+        before, after = record.amp_scale, record.amp_scale_after
+        change = f"scale {before:g}→{after:g}" if before is not None else "scale reduced"
+        if self._skips >= rule.max_skips:
+            return self.cooldowns.emit(
+                record, "amp", None, statistic="skipped_steps", value=float(self._skips),
+                threshold=float(rule.max_skips),
+                message=(
+                    f"GradScaler skipped {counted(self._skips, 'step')} in a row ({change}): the "
+                    "gradients overflow whatever the scale. The model itself produces Inf/NaN: "
+                    "check the forward numerics, lower the learning rate, or train in bf16."
+                ),
+            )  # fmt: skip
+        return self.cooldowns.emit(
+            record, "amp", None, statistic="skipped_steps", value=float(self._skips),
+            threshold=float(rule.max_skips), severity="info",
+            message=f"overflow: step skipped, {change}.",
+        )  # fmt: skip

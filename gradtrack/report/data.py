@@ -225,7 +225,7 @@ def parse_alert_text(text: str, rule: str, severity: str) -> Alert:
 
 
 def _stage_in(message: str) -> str | None:
-    """The stage a `nonfinite` message names (`gradtrack.alerts.diagnosis`'s wording).
+    """The stage a `nonfinite` message names (`gradtrack.alerts.nonfinite`'s wording).
 
     >>> _stage_in("NaN gradient made by the loss: the gradient reaching ..."), _stage_in("x")
     ('loss', None)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.sinks import MemorySink
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]

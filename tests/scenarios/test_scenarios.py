@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.keys import metric_key
 from gradtrack.formats.metrics import scalar_metrics
 from tests.conftest import SmallCNN

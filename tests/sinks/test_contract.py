@@ -15,8 +15,8 @@ from torch import nn
 
 import gradtrack
 import gradtrack.sinks
-from gradtrack.alerts import AlertEvent
 from gradtrack.delivery.courier import Courier, SinkCourier, SpooledCourier
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.drops import DropCount
 from gradtrack.sinks import MemorySink, SinkBase, TrackerSink, as_sink_base

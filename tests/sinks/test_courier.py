@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from gradtrack.alerts import AlertEvent
 from gradtrack.delivery.courier import SpooledCourier
 from gradtrack.delivery.spool import Spool
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import bin_samples
 from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import TrackerSink

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.alerts import AlertEvent
 from gradtrack.delivery.spool import Spool, SpoolError
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.mlflow import read_alerts
 from gradtrack.formats.record import StepRecord
 from tests.conftest import Told
