@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -269,3 +272,68 @@ def test_switches_stand_for_their_sections() -> None:
     config = load_config({"noise_scale": False, "flight": False}, environ={})
     assert not config.noise_scale.enabled and not config.flight.enabled
     assert load_config({"noise_scale": True}, environ={}).noise_scale.enabled
+
+
+def test_environment_spellings_pydantic_settings_does_not_have() -> None:
+    """The switch and its section's variables merge; 'none', 'null' and '' are None (a switch's
+    '' is off); lists are comma-separated anywhere; sections and mappings also take JSON."""
+    environ = {
+        "GRADTRACK_SPOOL": "0",
+        "GRADTRACK_SPOOL__MIB": "5",
+        "GRADTRACK_DISABLED": "",
+        "GRADTRACK_MODEL_NAME": " NULL ",
+        "GRADTRACK_HISTOGRAMS__EVERY": "",
+        "GRADTRACK_LAYER_METRICS": "norm, rms",
+        "GRADTRACK_WANDB__TAGS": "a,b",
+        "GRADTRACK_ALERTS__LAYERS": '{"head.*": {"dead": {"patience": 50}}}',
+    }
+    config = load_config(environ=environ)
+    assert (config.spool.enabled, config.spool.mib, config.enabled) == (False, 5, True)
+    assert config.model_name is None and config.histograms.every is None
+    assert config.layer_metrics == ("norm", "rms") and config.wandb.tags == ("a", "b")
+    assert config.alerts.for_layer("dead", "head.0").patience == 50
+    with pytest.raises(GradtrackConfigError, match=r"include = None \(from GRADTRACK_INCLUDE\)"):
+        load_config(environ={"GRADTRACK_INCLUDE": "none"})
+    with pytest.raises(GradtrackConfigError, match=r"GRADTRACK_ALERTS='\{bad' is not JSON"):
+        load_config(environ={"GRADTRACK_ALERTS": "{bad"})
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("GRADTRACK_FOO__BAR", r"unknown field 'foo__bar' \(from GRADTRACK_FOO__BAR\)"),
+        ("GRADTRACK_LOG_EVERY__X", r"'log_every__x' \(from GRADTRACK_LOG_EVERY__X\); did you"),
+    ],
+)
+def test_a_variable_no_field_reads_is_named(name: str, expected: str) -> None:
+    with pytest.raises(GradtrackConfigError, match=expected):
+        load_config(environ={name: "5"})
+
+
+def test_a_config_files_keys_are_field_names_as_written(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text('{"Log_Every": 2}')
+    with pytest.raises(GradtrackConfigError, match="unknown field 'Log_Every'"):
+        load_config(tmp_path / "c.json", environ={})
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml", environ={}) == load_config(environ={})
+
+
+@pytest.mark.slow  # a fresh interpreter, without PyYAML
+def test_a_yaml_file_without_pyyaml_says_what_to_install(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("log_every: 3\n")
+    code = (
+        "import sys; sys.modules['yaml'] = None\n"  # as if PyYAML were not installed
+        "from gradtrack.config import load_config\n"
+        "load_config(sys.argv[1], environ={})\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADTRACK_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "c.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "c.yaml is YAML but PyYAML is not installed: pip install pyyaml" in done.stderr

@@ -1,14 +1,19 @@
-"""gradtrack's configuration: the pydantic models (`gradtrack.config.settings`), the alert
-rules (`gradtrack.config.rules`) and where values come from."""
+"""gradtrack's configuration: the pydantic models (`gradtrack.config.models`), the alert
+rules (`gradtrack.config.rules`), and where values come from (`gradtrack.config.loading`)."""
 
-from gradtrack.config.settings import (
+from gradtrack.config.loading import (
     ENV_CONFIG_FILE,
     ENV_DISABLED,
     ENV_PREFIX,
     ENV_SOURCE,
     ENV_SPOOL_DIR,
-    FIELDS,
     ConfigSource,
+    load_config,
+    read_config_file,
+    read_env,
+)
+from gradtrack.config.models import (
+    FIELDS,
     ConsoleOptions,
     DeliveryOptions,
     DistributedOptions,
@@ -21,9 +26,6 @@ from gradtrack.config.settings import (
     SpoolOptions,
     TensorboardOptions,
     WandbOptions,
-    load_config,
-    read_config_file,
-    read_env,
     redacted_config,
 )
 

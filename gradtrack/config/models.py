@@ -1,20 +1,16 @@
-"""gradtrack's configuration: one pydantic model and the places its values come from.
+"""gradtrack's configuration models: `GradtrackConfig` and its option sections.
 
-Precedence, lowest first: defaults < file named by ``GRADTRACK_CONFIG`` < ``GRADTRACK_*``
-environment variables < ``config=`` (object, dict or file) < keyword overrides.
+Where their values come from (files, the environment, keyword arguments) is
+`gradtrack.config.loading`'s business; these are plain pydantic models, built directly too.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-import json
-import os
-import sys
-import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 from pydantic import (
@@ -24,7 +20,6 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
     SecretStr,
-    ValidationError,
     field_serializer,
     field_validator,
     model_validator,
@@ -33,21 +28,7 @@ from pydantic_core import to_jsonable_python
 
 from gradtrack.config.redact import redact
 from gradtrack.config.rules import AlertRules
-from gradtrack.errors import GradtrackConfigError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
-ENV_PREFIX = "GRADTRACK_"
-ENV_CONFIG_FILE = "GRADTRACK_CONFIG"
-ENV_DISABLED = "GRADTRACK_DISABLED"  # the off switch: sets enabled=False
-ENV_SPOOL_DIR = "GRADTRACK_SPOOL_DIR"  # spool.dir (also read where no config is: gradtrack sync)
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-
-ENV_SOURCE = "environment variable"
-ConfigSource = Union["GradtrackConfig", Mapping[str, Any], str, os.PathLike, None]
 # No timeout or interval is meant to be longer: an infinite one would hang close() forever.
 _HOUR_S = 3600.0
 
@@ -479,21 +460,23 @@ class GradtrackConfig(BaseModel):
 
 FIELDS: tuple[str, ...] = tuple(GradtrackConfig.model_fields)
 
-# Sections a plain on/off value stands for: spool=False, histograms=False (see _expand).
-_SWITCHED = ("spool", "histograms", "noise_scale", "flight")
+# Sections a plain on/off value stands for: spool=False, histograms=False (see expand_switch).
+SWITCHED = ("spool", "histograms", "noise_scale", "flight")
 
 
-def _expand(section: str, value: Any) -> Any:
+def expand_switch(section: str, value: Any) -> Any:
     """A section given as an on/off value: ``spool=False`` is ``spool={"enabled": False}``
     (``noise_scale`` and ``flight`` alike), ``histograms=False`` is
     ``histograms={"every": None}`` (True: the defaults).
 
-    >>> _expand("histograms", False), _expand("histograms", True), _expand("spool", False)
-    ({'every': None}, {}, {'enabled': False})
-    >>> _expand("noise_scale", False), _expand("noise_scale", True)
+    >>> expand_switch("histograms", False), expand_switch("histograms", True)
+    ({'every': None}, {})
+    >>> expand_switch("spool", False)
+    {'enabled': False}
+    >>> expand_switch("noise_scale", False), expand_switch("noise_scale", True)
     ({'enabled': False}, {'enabled': True})
     """
-    if section not in _SWITCHED or isinstance(value, (Mapping, BaseModel)):
+    if section not in SWITCHED or isinstance(value, (Mapping, BaseModel)):
         return value
     if section != "histograms":
         return {"enabled": value}
@@ -509,9 +492,9 @@ def expanded(values: Mapping[str, Any]) -> dict[str, Any]:
     {'spool': {'enabled': False}, 'histograms': {'bins': 8}}
     """
     copied = _copied(values)
-    for name in _SWITCHED:
+    for name in SWITCHED:
         if name in copied:
-            copied[name] = _expand(name, copied[name])
+            copied[name] = expand_switch(name, copied[name])
     return copied
 
 
@@ -531,210 +514,6 @@ def _resolve_module_type(name: str) -> type:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot import module type {name!r}: {exc}") from exc
-
-
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a YAML, TOML or JSON file holding config fields at its top level."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise GradtrackConfigError(f"cannot read gradtrack config file {path}: {exc}") from exc
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".toml":
-            data: Any = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ModuleNotFoundError as exc:
-                raise GradtrackConfigError(
-                    f"{path} is YAML but PyYAML is not installed: pip install pyyaml"
-                ) from exc
-            data = yaml.safe_load(text) or {}
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise GradtrackConfigError(
-                f"gradtrack config file {path} must end in .toml, .yaml, .yml or .json"
-            )
-    except GradtrackConfigError:
-        raise
-    except Exception as exc:  # each parser has its own error type
-        raise GradtrackConfigError(f"cannot parse gradtrack config file {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise GradtrackConfigError(
-            f"gradtrack config file {path} must hold a mapping of fields, not {type(data).__name__}"
-        )
-    return data
-
-
-def _env_value(field: str, raw: str) -> Any:
-    if raw.strip().lower() in ("", "none", "null"):
-        return None
-    if field in ("include", "exclude", "module_types"):
-        if raw.lstrip().startswith("["):
-            return json.loads(raw)
-        return [part.strip() for part in raw.split(",") if part.strip()]
-    return raw
-
-
-def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Config fields from ``GRADTRACK_<FIELD>`` variables (``GRADTRACK_CONFIG`` names a file).
-
-    A double underscore reaches into a nested field: ``GRADTRACK_HISTOGRAMS__BINS``.
-    ``GRADTRACK_SPOOL_DIR`` is the spool's folder (``spool.dir``), as it always was.
-
-    ``GRADTRACK_SPOOL=0``, ``GRADTRACK_HISTOGRAMS=0``, ``GRADTRACK_NOISE_SCALE=0`` and
-    ``GRADTRACK_FLIGHT=0`` switch those off.
-
-    >>> read_env({"GRADTRACK_HISTOGRAMS__BINS": "8", "GRADTRACK_SPOOL": "off"})
-    {'histograms': {'bins': '8'}, 'spool': {'enabled': False}}
-    """
-    values: dict[str, Any] = {}
-    for name, raw in environ.items():
-        if name == ENV_DISABLED:
-            values["enabled"] = not _switch(name, raw)
-        elif name.startswith(ENV_PREFIX) and name != ENV_CONFIG_FILE:
-            path = name[len(ENV_PREFIX) :].lower().split("__")
-            if name == ENV_SPOOL_DIR:
-                path = ["spool", "dir"]
-            elif path[0] in _SWITCHED and len(path) == 1:
-                values.setdefault(path[0], {}).update(_expand(path[0], _switch(name, raw)))
-                continue
-            target = values
-            for part in path[:-1]:
-                target = target.setdefault(part, {})
-            target[path[-1]] = _env_value(path[-1], raw)
-    return values
-
-
-def _switch(name: str, raw: str) -> bool:
-    """An on/off environment variable's value.
-
-    >>> _switch("GRADTRACK_DISABLED", " Yes "), _switch("GRADTRACK_DISABLED", "0")
-    (True, False)
-    """
-    value = raw.strip().lower()
-    if value not in _TRUE + _FALSE:
-        raise GradtrackConfigError(
-            f"{name}={raw!r} is not a switch: use one of {', '.join(_TRUE + _FALSE[:-1])}"
-        )
-    return value in _TRUE
-
-
-def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(dict(merged[key]), value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def load_config(
-    config: ConfigSource = None,
-    overrides: Mapping[str, Any] | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> GradtrackConfig:
-    """Merge every source of configuration, in the documented precedence, and validate once.
-
-    >>> config = load_config({"log_every": 2}, {"histograms": {"every": None}}, environ={})
-    >>> config.histograms.every is None
-    True
-    """
-    environ = os.environ if environ is None else environ
-    layers: list[tuple[str, Mapping[str, Any]]] = []
-    if environ.get(ENV_CONFIG_FILE):
-        path = environ[ENV_CONFIG_FILE]
-        layers.append((f"file {path} (from {ENV_CONFIG_FILE})", read_config_file(path)))
-    layers.append((ENV_SOURCE, read_env(environ)))
-    if isinstance(config, GradtrackConfig):
-        layers.append(("config object", _explicit_fields(config)))
-    elif isinstance(config, (str, os.PathLike)):
-        layers.append((f"file {config}", read_config_file(config)))
-    elif isinstance(config, Mapping):
-        layers.append(("config dict", config))
-    elif config is not None:
-        raise GradtrackConfigError(
-            "config must be a GradtrackConfig, a dict, or a path to a .toml/.yaml/.json file, "
-            f"not {type(config).__name__}"
-        )
-    layers.append(("keyword argument", overrides or {}))
-
-    merged: dict[str, Any] = {}
-    origin: dict[str, str] = {}
-    for source, given in layers:
-        values = expanded(given)
-        from_env = source == ENV_SOURCE
-        merged = _merge(merged, values)
-        for key, value in values.items():
-            env_name = ENV_PREFIX + key.upper() + ("__*" if isinstance(value, Mapping) else "")
-            origin[key] = env_name if from_env else source
-    try:
-        return GradtrackConfig(**merged)
-    except ValidationError as exc:
-        raise GradtrackConfigError(_describe(exc, origin)) from None
-
-
-def _explicit_fields(model: BaseModel) -> dict[str, Any]:
-    """The fields set explicitly, nested models included (so they merge field by field)."""
-    fields: dict[str, Any] = {}
-    for name in model.model_fields_set:
-        value = getattr(model, name)
-        fields[name] = _explicit_fields(value) if isinstance(value, BaseModel) else value
-    return fields
-
-
-def _describe(error: ValidationError, origin: Mapping[str, str]) -> str:
-    lines = ["invalid gradtrack config:"]
-    for item in error.errors():
-        loc = [str(part) for part in item["loc"]]
-        field = ".".join(loc)
-        prefixes = (".".join(loc[:n]) for n in range(len(loc), 0, -1))
-        where = next((origin[p] for p in prefixes if p in origin), "?")
-        if item["type"] == "extra_forbidden":
-            section, known = _section_fields(item["loc"][:-1])
-            close = difflib.get_close_matches(loc[-1], list(known), n=1)
-            suggested = ".".join([*section, close[0]]) if close else ""
-            hint = f"; did you mean {suggested!r}?" if close else ""
-            of = f" of {'.'.join(section)}" if section else ""
-            lines.append(
-                f"  unknown field {field!r} (from {where}){hint} "
-                f"Known fields{of}: {', '.join(known)}"
-            )
-        else:
-            lines.append(f"  {field} = {item['input']!r} (from {where}): {item['msg']}")
-    return "\n".join(lines)
-
-
-def _section_fields(loc: tuple[int | str, ...]) -> tuple[list[str], tuple[str, ...]]:
-    """The section a misspelt field sits in, and that section's own fields: a typo in
-    ``alerts.exploding`` is answered with the exploding rule's fields, not the top level's.
-
-    >>> section, known = _section_fields(("alerts", "exploding"))
-    >>> section, "threshold" in known, "log_every" in known
-    (['alerts', 'exploding'], True, False)
-    """
-    model: type[BaseModel] = GradtrackConfig
-    section: list[str] = []
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        nested = _model_in(field.annotation) if field is not None else None
-        if nested is None:
-            break
-        model = nested
-        section.append(str(part))
-    return section, tuple(model.model_fields)
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model an annotation holds (``X`` or ``X | None``), if any."""
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
 
 
 def redacted_config(config: GradtrackConfig | Mapping[str, Any]) -> dict[str, Any]:
