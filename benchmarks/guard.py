@@ -24,11 +24,11 @@ the machine's noise falls on every variant alike, the median time of:
   median of 5), and the ring's memory ((K + 1) × (1 + layers) × 8 bytes) in KiB;
 - guard+skip: that, read on the host and judged by the skip rules (`gradtrack.capture.skip`), as
   every step runs with ``action="skip"``;
-- update signals: what ``update_signals=True`` adds to a logged step (`gradtrack.capture.updates`:
+- update signals: what ``update_signals=True`` adds to a logged step (`gradtrack.capture.handover`:
   copy the weights into the reused buffer and take their norms, then the update's norms).
   Its memory is one copy of the trainable parameters, printed in MiB;
 - sampled updates: what the default (``update_signals="sampled"``) adds to a logged step
-  (`gradtrack.capture.update_sample`: the weights' norms, a strided copy of each tensor's sample,
+  (`gradtrack.capture.handover`: the weights' norms, a strided copy of each tensor's sample,
   then its difference's norms), and the memory its samples keep, in MiB.
 
 Ratios are to the floor. The training step itself is given for scale.
@@ -48,8 +48,7 @@ from benchmarks.models import MODELS
 from gradtrack.capture.flight_ring import FlightRecorder
 from gradtrack.capture.skip import SkipPolicy
 from gradtrack.capture.spike import LayerNorms, NormWindow, on_host
-from gradtrack.capture.update_sample import SampledUpdateProbe
-from gradtrack.capture.updates import UpdateProbe
+from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe
 from gradtrack.handoff.layout import spike_fields
 from gradtrack.sinks import MemorySink
 

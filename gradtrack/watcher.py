@@ -22,7 +22,6 @@ from gradtrack import lifecycle
 from gradtrack.alerts import AlertEngine
 from gradtrack.capture.collect import Collector
 from gradtrack.capture.distributed import is_dtensor, rank_group
-from gradtrack.capture.handover import Handover
 from gradtrack.capture.layers import (
     activation_modules,
     discover_layers,
@@ -30,16 +29,9 @@ from gradtrack.capture.layers import (
     saturating_layers,
     unwrap_model,
 )
-from gradtrack.capture.probes import Probes, StepSource
-from gradtrack.capture.schedule import StepSchedule
-from gradtrack.capture.step_collect import StepCollector
-from gradtrack.capture.step_rules import StepRules
-from gradtrack.capture.step_signals import build_signals
-from gradtrack.capture.stepper import Stepper
-from gradtrack.capture.verdict import StepJudge
-from gradtrack.capture.wrappers import hooked_optimizer, scaler_of
+from gradtrack.capture.probes import StepSource, hooked_optimizer, scaler_of
+from gradtrack.capture.stepper import step_path
 from gradtrack.config import GradtrackConfig
-from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradtrackError
 from gradtrack.formats.event import AlertEvent
 from gradtrack.handoff.drops import DropCount
@@ -106,18 +98,10 @@ class Watcher:
         self._steps = steps
         self._build_step_path(sinks, on_alert, optimizer is not None, scaler is not None)
         try:
-            skipping = self.judge.signals.skips is not None
-            self.probes.attach_step_source(
-                model, params, optimizer, scaler, steps, skipping, self, self.ranks is not None
-            )
-            if self.judge.signals.updates is not None and optimizer is not None:
-                hook = optimizer.register_step_post_hook(self._after_optimizer_step)
-                self.probes.handles.append(hook)
             outputs = [module for _, module in watched_outputs]
-            self.probes.attach_evidence(
-                model, self.collector, self.ranks, outputs, self._next_step_is_due
+            self.stepper.attach(
+                model, params, optimizer, scaler, steps, outputs, self.ranks, config.noise_scale
             )
-            self.probes.attach_noise_scale(model, self.collector, self.ranks, config.noise_scale)
         except BaseException:  # leave the model, the scaler and the threads as they were
             self.probes.remove()
             self.worker.request("stop", config.flush_timeout_s)
@@ -135,35 +119,23 @@ class Watcher:
         """The parts a step passes through, from its verdict to the sinks. ``stepped``: an
         optimizer steps once per step; ``scaled``: a GradScaler's update ends each step."""
         config = self.config
-        # The guard's verdict is read at every step unless each rank sees only its shards
-        # (FSDP2): unlogged steps would need a collective, so the logged steps judge.
+        self.stepper = step_path(
+            config, self.collector, self.ranks, self.mailbox, stepped, scaled, self._collect_failed
+        )
+        self.judge, self.probes = self.stepper.judge, self.stepper.probes
         replicated = self.ranks is not None and self.ranks.layout == "replicated"
-        every_step = self.ranks is None or replicated
-        own_steps = stepped and not scaled
-        signals = build_signals(config, self.collector, own_steps, every_step, scaled)
-        raising = config.alerts.with_action("raise")
-        # A raise rule the step's norms cannot judge has the worker judge every due step.
-        judge_due = bool(set(raising) - set(SKIPPABLE)) or (bool(raising) and not every_step)
-        raises = StepRules(config.alerts, self.collector.index.layer_names, "raise")
-        self.schedule = StepSchedule(config)
-        self.judge = StepJudge(
-            self.collector, signals, self.schedule, raises, judge_due, every_step,
-            self._collect_failed,
-        )  # fmt: skip
         self.assembler = Assembler(
-            self.collector.index, config, self.alert_engine, self.activation_names,
-            world_size=self.ranks.world_size if self.ranks and replicated else 0, drops=self.drops,
+            self.collector.index,
+            config,
+            self.alert_engine,
+            self.activation_names,
+            world_size=self.ranks.world_size if self.ranks and replicated else 0,
+            drops=self.drops,
             mesh=None if self.collector.mesh is None else self.collector.mesh.places,
-        )  # fmt: skip
+        )
         self.worker = Worker(
             self.assembler, sinks, self.mailbox, config, on_alert=on_alert, drops=self.drops
         )
-        self.probes = Probes()
-        collect = StepCollector(self.collector, self.ranks, signals.flight, self._collect_failed)
-        handover = Handover(
-            self.mailbox, signals.updates, self.ranks, config.flush_timeout_s, self._collect_failed
-        )
-        self.stepper = Stepper(self.judge, collect, handover, self.probes)
 
     # -- public state -------------------------------------------------------------------
     @property
@@ -213,13 +185,7 @@ class Watcher:
             for i, (sink, count) in enumerate(zip(self.worker.sinks, self.worker.sink_errors))
         }
 
-    # -- hooks (training thread) ----------------------------------------------------------
-    def _before_optimizer_step(self, *_: Any) -> None:
-        self._step_boundary()
-
-    def _after_optimizer_step(self, *_: Any) -> None:
-        self.stepper.after_optimizer_step()
-
+    # -- the owner's end of a step (training thread) -------------------------------------
     def end_step(self) -> None:
         """End the current step now: gradients are complete (watchers made with
         ``steps="manual"``, as the Lightning and Hugging Face callbacks do)."""
@@ -229,19 +195,7 @@ class Watcher:
                 "this one ends steps by itself"
             )
         if not self.closed:
-            self._step_boundary()
-
-    def _step_boundary(self) -> None:
-        skip = self._end_step()
-        if self.probes.gate is not None:  # (steps ended by hand or at backward)
-            self.probes.gate.held = skip
-
-    def _end_step(self) -> bool:
-        """True: a skip rule tripped, and the optimizer step is to be left out."""
-        return self.stepper.end()
-
-    def _next_step_is_due(self) -> bool:
-        return self.schedule.any_due(self.stepper.step)
+            self.stepper.boundary()
 
     def _collect_failed(self, step: int, exc: Exception) -> None:
         self.collect_errors += 1

@@ -12,8 +12,8 @@ from torch import nn
 
 from gradtrack.alerts import AlertEngine
 from gradtrack.capture.collect import Collector
-from gradtrack.capture.latch import BadStepLatch
 from gradtrack.capture.layers import discover_layers
+from gradtrack.capture.verdict import BadStepLatch
 from gradtrack.config import GradtrackConfig
 from gradtrack.handoff.evidence import StepEvidence
 from gradtrack.handoff.pending import PendingStep

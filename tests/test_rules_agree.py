@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from gradtrack.alerts.engine import AlertEngine
-from gradtrack.capture.step_rules import StepRules
 from gradtrack.config.rules import AlertRules
 from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.rules import StepRules
 
 LAYERS = ("stem", "block.0", "block.1", "head")
 PER_STEP = ("nonfinite", "spike", "exploding")

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gradtrack.capture.schedule import DenseEarly, extra_steps_bound, layer_schedule
+from gradtrack.capture.verdict import DenseEarly, extra_steps_bound, layer_schedule
 from gradtrack.config import GradtrackConfig
 
 

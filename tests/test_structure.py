@@ -177,12 +177,14 @@ def test_the_step_path_has_few_parts() -> None:
 
 
 def test_skip_raise_and_alerts_share_one_check_per_rule_family() -> None:
-    trips = "gradtrack.handoff.trips"
-    users = sorted(name for name, deps in GRAPH.items() if trips in deps)
+    rules = "gradtrack.handoff.rules"
+    users = sorted(name for name, deps in GRAPH.items() if rules in deps)
     assert users == [
         "gradtrack.alerts.magnitude",
         "gradtrack.alerts.nonfinite",
-        "gradtrack.capture.step_rules",
+        "gradtrack.capture.skip",
+        "gradtrack.capture.stepper",
+        "gradtrack.capture.verdict",
     ]
 
 

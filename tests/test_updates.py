@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.capture.update_sample import Lattice, SampledUpdateProbe
+from gradtrack.capture.updates import Lattice, SampledUpdateProbe
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.sinks import MemorySink
 from tests.conftest import SmallCNN, cnn_batch

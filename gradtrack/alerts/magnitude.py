@@ -21,7 +21,7 @@ from gradtrack.alerts.book import Check, Cooldowns, RuleBook, Runs
 from gradtrack.alerts.wording import counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.trips import exploding_columns
+from gradtrack.handoff.rules import exploding_columns
 
 
 class ExplodingCheck(Check):

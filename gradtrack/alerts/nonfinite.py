@@ -23,7 +23,7 @@ from gradtrack.alerts.book import Check, Cooldowns, RuleBook
 from gradtrack.alerts.wording import counted, listed
 from gradtrack.formats.event import AlertEvent, Stage
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.trips import nonfinite_columns
+from gradtrack.handoff.rules import nonfinite_columns
 
 
 class NonFiniteCheck(Check):

@@ -15,12 +15,20 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from gradtrack.capture.hooks import float_tensors
 from gradtrack.capture.layers import ROOT_LAYER_NAME
 
 ReplayStage = Literal["forward", "loss", "backward"]
+
+
+def float_tensors(value: Any) -> list[Tensor]:
+    """The floating-point tensors in a module's output (or inputs): a nest of tuples, lists
+    and dicts walked only where the value is not one tensor (the usual output)."""
+    if type(value) is Tensor:
+        return [value] if value.is_floating_point() else []
+    return [t for t in tree_leaves(value) if isinstance(t, Tensor) and t.is_floating_point()]
 
 
 @dataclass(frozen=True)

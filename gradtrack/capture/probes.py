@@ -1,30 +1,38 @@
 """Every hook a watcher puts on the model, its parameters, its optimizer and its scaler, owned
 in one place and removed together; and the step evidence they gathered, by name.
 
-Two kinds: the hooks that end a step (`StepHooks` says what they call) and the probes that
-gather evidence on logged steps (`gradtrack.capture.hooks`, `gradtrack.capture.origin`,
+Two kinds: the hooks that end a step (`StepEnd` says what they call) and the probes that
+gather evidence on logged steps (`gradtrack.capture.probes`, `gradtrack.capture.origin`,
 `LocalNormProbe`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from gradtrack.capture.accumulation import AccumulationCheck
 from gradtrack.capture.collect import Collector
 from gradtrack.capture.distributed import LocalNormProbe, RankGroup
-from gradtrack.capture.hooks import ActivationProbe, BackwardOrderProbe, OutputProbe, ScalerTap
 from gradtrack.capture.layers import unwrap_model
-from gradtrack.capture.noise_probes import BatchCounter, MicroBatchNorms
-from gradtrack.capture.origin import OriginProbe
-from gradtrack.capture.replaced import ReplacementCheck
+from gradtrack.capture.origin import OriginProbe, float_tensors
 from gradtrack.capture.skip import ForwardCounter, OptimizerGate
+from gradtrack.capture.stats import accumulation_dtype, stored_values
+from gradtrack.capture.zero import PartitionGrads, is_engine, steppable, zero_optimizer, zero_stage
 from gradtrack.config import NoiseScaleOptions
+from gradtrack.errors import GradtrackError
 from gradtrack.handoff.evidence import StepEvidence
 from gradtrack.log import warn
 
@@ -33,13 +41,11 @@ from gradtrack.log import warn
 StepSource = Literal["auto", "manual"] | Callable[[], bool]
 
 
-class StepHooks(Protocol):
-    """What the hooks that end a step call (a `Watcher`)."""
+class StepEnd(Protocol):
+    """What the hooks that end a step call (the `gradtrack.capture.stepper.Stepper`)."""
 
-    def _step_boundary(self) -> None: ...
-    def _before_optimizer_step(self, *args: Any) -> None: ...
-    def _after_optimizer_step(self, *args: Any) -> None: ...
-    def _end_step(self) -> bool: ...
+    def boundary(self, *hook_args: Any) -> None: ...
+    def end(self) -> bool: ...
 
 
 class BackwardEnd:
@@ -99,7 +105,7 @@ class Probes:
         scaler: torch.amp.GradScaler | None,
         steps: StepSource,
         skipping: bool,
-        on: StepHooks,
+        on: StepEnd,
         distributed: bool = False,
     ) -> None:
         """The hooks that end each step: the scaler's update, the optimizer's step (gated
@@ -109,15 +115,15 @@ class Probes:
         manual = steps == "manual"
         at_optimizer = optimizer is not None and steps == "auto"
         if scaler is not None:
-            self.scaler_tap = ScalerTap(scaler, None if manual else on._step_boundary)
+            self.scaler_tap = ScalerTap(scaler, None if manual else on.boundary)
         elif optimizer is not None and skipping:
-            self.gate = OptimizerGate(optimizer, on._end_step if at_optimizer else None)
+            self.gate = OptimizerGate(optimizer, on.end if at_optimizer else None)
             self.forwards = ForwardCounter(model)
             self.handles.append(self.forwards.handle)
         elif optimizer is not None and at_optimizer:
-            self.handles.append(optimizer.register_step_pre_hook(on._before_optimizer_step))
+            self.handles.append(optimizer.register_step_pre_hook(on.boundary))
         if scaler is None and not at_optimizer and not manual:
-            end = BackwardEnd(on._step_boundary, steps, after_reducer=distributed)
+            end = BackwardEnd(on.boundary, steps, after_reducer=distributed)
             for param in params:
                 if param.requires_grad:
                     self.handles.append(param.register_post_accumulate_grad_hook(end.grad_ready))
@@ -236,3 +242,380 @@ class Probes:
         for wrapper in (self.scaler_tap, self.gate, self.origin):
             if wrapper is not None:
                 wrapper.remove()
+
+
+# Compiled regions: a forward hook on a module that is compiled after gradtrack watched it
+# is traced into the graph. Reading the step counter there would make dynamo guard on it
+# (a recompile per step) and registering tensor hooks is a graph break, so in a compiled
+# region the probes do nothing: the gradient statistics, taken from ``.grad`` outside the
+# graph, are unaffected; only the forward/loss evidence and activation gradients are lost.
+# A model compiled *before* watching keeps its output probe (it sits on the eager wrapper).
+
+
+def _and(previous: Tensor | None, current: Tensor) -> Tensor:
+    return current if previous is None else torch.logical_and(previous, current)
+
+
+class OutputProbe:
+    """Is the model output finite, is the gradient that reaches it finite, and how large?
+
+    The flags tell a non-finite forward pass or loss from a backward that broke inside the
+    model; the gradient's L2 norm tells a model that fits its data (the loss sends almost no
+    gradient) from one whose layers stopped passing it on. One ``isfinite().all()`` per
+    output tensor and one norm per output gradient, on logged steps only.
+    """
+
+    def __init__(self, model: nn.Module, is_due: Callable[[], bool]) -> None:
+        self._is_due = is_due
+        self.output_finite: Tensor | None = None
+        self.output_grad_finite: Tensor | None = None
+        self.output_grad_norm: Tensor | None = None
+        self.handle = model.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self._is_due():
+            return  # inside a compiled graph: see "Compiled regions" above
+        for leaf in float_tensors(output):
+            with torch.no_grad():
+                self.output_finite = _and(self.output_finite, torch.isfinite(leaf).all())
+            if leaf.requires_grad:
+                leaf.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: Tensor) -> None:
+        with torch.no_grad():
+            self.output_grad_finite = _and(self.output_grad_finite, torch.isfinite(grad).all())
+            norm = torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype))
+            previous = self.output_grad_norm
+            self.output_grad_norm = norm if previous is None else torch.hypot(previous, norm)
+
+    def take(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The output's finiteness, its gradient's, and that gradient's norm (None: not
+        seen this step); the probe starts over."""
+        taken = self.output_finite, self.output_grad_finite, self.output_grad_norm
+        self.output_finite = self.output_grad_finite = self.output_grad_norm = None
+        return taken
+
+
+class ScalerTap:
+    """Makes ``scaler.update()`` the step boundary, where gradients are already unscaled and
+    the scaler knows (on the device) whether it skipped the step. Without ``on_update`` it
+    only reads that evidence (the owner ends steps after ``unscale_``)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler, on_update: Callable[[], None] | None) -> None:
+        self.scaler = scaler
+        self._wraps_update = on_update is not None
+        if on_update is None:
+            return
+        if "update" in vars(scaler):
+            raise GradtrackError(
+                "this GradScaler is already watched (its update() is wrapped): one watcher per "
+                "scaler; close the other watcher first"
+            )
+        original = scaler.update
+
+        def update(new_scale: Any = None) -> None:
+            on_update()
+            original(new_scale)
+
+        scaler.update = update  # type: ignore[method-assign]
+
+    def evidence(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(found_inf, scale, scale after update) as device tensors, or None if disabled."""
+        scaler = self.scaler
+        if not scaler.is_enabled() or scaler._scale is None:
+            return None
+        found = [
+            found_inf
+            for state in scaler._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if not found:
+            return None
+        scale = scaler._scale.double()
+        found_inf = torch.stack([f.to(scale.device, non_blocking=True) for f in found]).sum()
+        after = torch.where(found_inf > 0, scale * scaler.get_backoff_factor(), scale)
+        return found_inf.double(), scale, after
+
+    def remove(self) -> None:
+        if self._wraps_update:
+            vars(self.scaler).pop("update", None)
+
+
+class BackwardOrderProbe:
+    """Learns, from one backward pass, the order in which layers' gradients become ready."""
+
+    def __init__(self, params: list[nn.Parameter], layer_of: dict[int, int]) -> None:
+        self.order: list[int] = []
+        self._seen: set[int] = set()
+        self._layer_of = layer_of
+        self.handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._ready) for p in params if p.requires_grad
+        ]
+
+    def _ready(self, param: Tensor) -> None:
+        layer = self._layer_of[id(param)]
+        if layer not in self._seen:
+            self._seen.add(layer)
+            self.order.append(layer)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class ActivationProbe:
+    """Norms of the gradients w.r.t. module outputs — the recipe's "gradient flow" — on
+    logged steps. Several calls of one module in a step (micro-batches, reuse) add up as
+    the root of the summed squares."""
+
+    def __init__(self, modules: list[nn.Module], is_due: Callable[[], bool]) -> None:
+        self._is_due = is_due
+        self.norms: list[Tensor | None] = [None] * len(modules)
+        self.order: list[int] = []  # module indices, in the order their output grads arrived
+        self.handles = [
+            module.register_forward_hook(functools.partial(self._after_forward, index))
+            for index, module in enumerate(modules)
+        ]
+
+    def _after_forward(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self._is_due():
+            return  # inside a compiled graph: see "Compiled regions" above
+        for leaf in float_tensors(output):
+            if leaf.requires_grad:
+                leaf.register_hook(functools.partial(self._output_grad, index))
+
+    def _output_grad(self, index: int, grad: Tensor) -> None:
+        with torch.no_grad():
+            squared = (
+                torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype))
+                .double()
+                .square()
+            )
+            previous = self.norms[index]
+            if previous is None:
+                self.order.append(index)
+            self.norms[index] = squared if previous is None else previous + squared
+
+    def take(self) -> tuple[list[Tensor | None], list[int]]:
+        norms = [None if n is None else n.sqrt() for n in self.norms]
+        order = self.order
+        self.norms, self.order = [None] * len(self.norms), []
+        return norms, order
+
+
+class BatchCounter:
+    """Examples per step: the first dimension of the model's first tensor input, summed over
+    the step's forward passes (host shapes only: no device work)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.examples = 0
+        self.handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, Tensor):
+                self.examples += value.shape[0] if value.dim() else 1
+                return
+
+    def take(self) -> int:
+        examples, self.examples = self.examples, 0
+        return examples
+
+
+class MicroBatchNorms:
+    """Gradient accumulation in one process: the backward passes of each step (one hook, on
+    the first trainable parameter) and, on logged steps, the sum over micro-batches of each
+    tensor's squared incoming gradient — a hook before accumulation into ``.grad`` sees the
+    micro-batch's own contribution, so no gradient is copied.
+
+    Its per-tensor hooks are on only during the steps that are due (put on at the end of
+    the step before, taken off at their end), once a step was seen to take several backward
+    passes: other steps, and a run without accumulation, pay one hook call per backward.
+    """
+
+    def __init__(self, params: list[nn.Parameter], is_due: Callable[[], bool]) -> None:
+        self._params = [p for p in params if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._n_tensors = len(params)
+        self._is_due = is_due
+        self.backwards = 0
+        # Each incoming gradient's norm (one kernel in the hook) and its tensor's index; the
+        # squares are summed per tensor at the step's end, in three batched kernels.
+        self._norms: list[Tensor] = []
+        self._tensors: list[int] = []
+        self._index_cache: tuple[tuple[int, ...], Tensor] | None = None
+        self.handles: list[RemovableHandle] = []
+        self._per_tensor: list[RemovableHandle] = []  # on for a due step only
+        self._accumulates = False  # a step took several backward passes
+        if self._params:
+            first = self._params[0]
+            self.handles.append(first.register_post_accumulate_grad_hook(self._backward))
+
+    def _backward(self, param: Tensor) -> None:
+        self.backwards += 1
+
+    def end_step(self) -> int:
+        """The step's backward passes; each tensor hooked for the next step if it is due."""
+        backwards, self.backwards = self.backwards, 0
+        self._accumulates = self._accumulates or backwards > 1
+        due = self._accumulates and self._is_due()
+        if due and not self._per_tensor:
+            for param in self._params:
+                index = self._index[id(param)]
+                self._per_tensor.append(param.register_hook(lambda g, i=index: self._add(i, g)))
+        elif not due and self._per_tensor:
+            self.remove()
+        return backwards
+
+    def remove(self) -> None:
+        """Take the per-tensor hooks off (the backward counter is in ``handles``, which the
+        owner removes with its own)."""
+        for handle in self._per_tensor:
+            handle.remove()
+        self._per_tensor.clear()
+
+    def _add(self, index: int, grad: Tensor) -> None:
+        grad = stored_values(grad)
+        with torch.no_grad():
+            self._norms.append(torch.linalg.vector_norm(grad, dtype=accumulation_dtype(grad.dtype)))
+        self._tensors.append(index)
+
+    def take(self) -> Tensor | None:
+        """float64 [tensors]: the step's sums of squared micro-batch gradients (0 where a
+        tensor had none); None if no hook ran."""
+        if not self._norms:
+            return None
+        norms, tensors, self._norms, self._tensors = self._norms, self._tensors, [], []
+        device = self._params[0].device
+        squares = torch.stack([n.to(device, torch.float64, non_blocking=True) for n in norms])
+        index = self._index_on(tuple(tensors), device)
+        sums = torch.zeros(self._n_tensors, dtype=torch.float64, device=device)
+        return sums.index_add_(0, index, squares.square())
+
+    def _index_on(self, tensors: tuple[int, ...], device: torch.device) -> Tensor:
+        """The hooks' tensor order on the device, made once: each backward calls them in the
+        same order, and a copy from a host list to an accelerator waits for its stream."""
+        cached = self._index_cache
+        if cached is None or cached[0] != tensors or cached[1].device != device:
+            cached = self._index_cache = (tensors, torch.tensor(tensors, device=device))
+        return cached[1]
+
+
+class AccumulationCheck:
+    """Counts backward passes between steps of any optimizer holding a watched parameter
+    (a hook shared by all optimizers: it sees an optimizer gradtrack was not given)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self._watched = {id(p) for p in params}
+        self._holds: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.backwards = 0
+        self.warned = False
+        self.handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def backward(self) -> None:
+        self.backwards += 1
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        holds = self._holds.get(optimizer)
+        if holds is None:
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            holds = self._holds[optimizer] = any(id(p) in self._watched for p in params)
+        if not holds:
+            return
+        if self.backwards > 1 and not self.warned:
+            self.warned = True
+            try:  # a warning turned into an error must not stop optimizer.step()
+                warnings.warn(
+                    f"gradtrack saw {self.backwards} backward passes before this "
+                    f"{type(optimizer).__name__}.step(): without optimizer= each backward is a "
+                    "step, so its records describe micro-batches, not the accumulated gradient "
+                    "the optimizer applies; pass gradtrack.watch(model, optimizer=optimizer)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            except Exception:
+                pass
+        self.backwards = 0
+
+
+class ReplacementCheck:
+    """Warns once when a module of ``model`` gets a new submodule or parameter."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._paths: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(
+            {module: name for name, module in model.named_modules()}
+        )
+        self.warned = False
+        self.handles: list[RemovableHandle] = [
+            register_module_module_registration_hook(self._registered),
+            register_module_parameter_registration_hook(self._registered),
+        ]
+
+    def _registered(self, module: nn.Module, name: str, value: Any) -> None:
+        path = self._paths.get(module)
+        if path is None or self.warned or value is None:
+            return
+        self.warned = True
+        where = f"{path}.{name}" if path else name
+        try:  # a warning turned into an error must not stop the user's assignment
+            warnings.warn(
+                f"{where} was assigned after gradtrack.watch: gradtrack watches the parameters "
+                "the model had then, so its gradients are not in the records; call "
+                "gradtrack.unwatch(model) and watch it again after changing the model",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        except Exception:
+            pass
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Accelerate's wrapper (others: itself).
+
+    >>> sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    >>> unwrap_optimizer(sgd) is sgd
+    True
+    """
+    if "accelerate" in sys.modules:
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        while isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer
+    return optimizer
+
+
+def scaler_of(optimizer: Any) -> torch.amp.GradScaler | None:
+    """The enabled GradScaler an ``AcceleratedOptimizer`` steps through (fp16 mixed
+    precision), if any."""
+    scaler = getattr(optimizer, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
+        return scaler
+    return None
+
+
+def hooked_optimizer(
+    model: nn.Module, params: list[nn.Parameter], optimizer: Any
+) -> tuple[Any, PartitionGrads | None]:
+    """The optimizer whose step is a gradtrack step, as gradtrack hooks it (see
+    `gradtrack.capture.zero.steppable`), and under DeepSpeed ZeRO 1–3 the partitions the
+    gradients live in. A DeepSpeed engine watched without ``optimizer=`` gives its own: one
+    step per step of it, as DeepSpeed counts them."""
+    if optimizer is None and is_engine(model):
+        optimizer = model
+    partitions = None
+    stage = zero_stage(params)
+    if stage:
+        if optimizer is None:
+            optimizer = zero_optimizer(params)  # ZeRO-3's parameters link to it
+        if optimizer is None:
+            raise GradtrackError(
+                "under DeepSpeed ZeRO stages 1 and 2 gradtrack needs the engine, which "
+                "steps the partitions the gradients live in: gradtrack.watch(engine, ...) "
+                "or gradtrack.watch(engine.module, optimizer=engine)"
+            )
+        owner = optimizer.optimizer if is_engine(optimizer) else optimizer
+        partitions = PartitionGrads(params, owner, stage)
+    return steppable(unwrap_optimizer(optimizer)), partitions

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradtrack.capture.step_rules import StepRules, Trip
 from gradtrack.config.rules import AlertRules
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.formats.atomic import write_atomic
 from gradtrack.formats.event import AlertEvent
+from gradtrack.handoff.rules import StepRules, Trip
 
 Skip = Trip  # why one step is left out: the rule, and the layer it names (None: the total)
 

@@ -1,16 +1,30 @@
 """The end of one step on the training thread, in one direction: judge → plan, collect →
 pending step, hand-off (waiting for the worker's answer where a raise rule judges the step).
 
+The hooks that end a step (`gradtrack.capture.probes`) call the `Stepper` directly:
+``boundary`` at the optimizer's step, the scaler's update or the end of backward, ``end``
+from a skip rule's gate. `step_path` builds the stepper and its parts from a watch's config.
+
 Never waits on a sink; a raise or skip rule may cost one read of the device per step, and a
 step a raise rule judges waits for the worker to have judged it.
 """
 
 from __future__ import annotations
 
-from gradtrack.capture.handover import Handover
-from gradtrack.capture.probes import Probes
-from gradtrack.capture.step_collect import StepCollector
-from gradtrack.capture.verdict import StepJudge
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradtrack.capture.collect import Collector
+from gradtrack.capture.distributed import RankGroup
+from gradtrack.capture.handover import Handover, OnError, StepCollector
+from gradtrack.capture.probes import Probes, StepSource
+from gradtrack.capture.verdict import StepJudge, StepSchedule, build_signals
+from gradtrack.config import GradtrackConfig, NoiseScaleOptions
+from gradtrack.config.rules import SKIPPABLE
+from gradtrack.handoff.mailbox import Mailbox
+from gradtrack.handoff.rules import StepRules
 
 
 class Stepper:
@@ -26,6 +40,42 @@ class Stepper:
         self.collect = collect
         self.handover = handover
         self.probes = probes
+
+    def attach(
+        self,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        optimizer: torch.optim.Optimizer | None,
+        scaler: torch.amp.GradScaler | None,
+        steps: StepSource,
+        outputs: list[nn.Module],
+        ranks: RankGroup | None,
+        noise_scale: NoiseScaleOptions,
+    ) -> None:
+        """Every hook of the watch: those that end a step (and call this stepper), the update
+        signals' after the optimizer step, and the probes gathering evidence."""
+        probes, signals, collector = self.probes, self.judge.signals, self.collect.collector
+        skipping = signals.skips is not None
+        distributed = ranks is not None
+        probes.attach_step_source(
+            model, params, optimizer, scaler, steps, skipping, self, distributed
+        )
+        if signals.updates is not None and optimizer is not None:
+            probes.handles.append(optimizer.register_step_post_hook(self.after_optimizer_step))
+        probes.attach_evidence(model, collector, ranks, outputs, self.next_is_due)
+        probes.attach_noise_scale(model, collector, ranks, noise_scale)
+
+    def boundary(self, *_hook_args: Any) -> None:
+        """A step's gradients are complete (the optimizer is about to step, the scaler
+        updates, a backward ended, or the owner said so): end the step; where a skip rule
+        gates the optimizer, the gate holds the verdict."""
+        skip = self.end()
+        if self.probes.gate is not None:  # (steps ended by hand or at backward)
+            self.probes.gate.held = skip
+
+    def next_is_due(self) -> bool:
+        """Whether the step about to run is logged or sampled (the evidence probes ask)."""
+        return self.judge.schedule.any_due(self.step)
 
     def end(self) -> bool:
         """End step ``self.step``: guard it, judge it, summarise it if its plan needs it.
@@ -63,8 +113,36 @@ class Stepper:
         if last is not None:
             self.handover.put(last)
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, *_hook_args: Any) -> None:
         self.handover.after_optimizer_step()
 
     def release_held(self) -> None:
         self.handover.release_held()
+
+
+def step_path(
+    config: GradtrackConfig,
+    collector: Collector,
+    ranks: RankGroup | None,
+    mailbox: Mailbox,
+    stepped: bool,
+    scaled: bool,
+    on_error: OnError,
+) -> Stepper:
+    """The parts a step passes through on the training thread, from its verdict to the
+    mailbox. ``stepped``: an optimizer steps once per step; ``scaled``: a GradScaler's update
+    ends each step; ``on_error`` hears of a step that could not be collected."""
+    # The guard's verdict is read at every step unless each rank sees only its shards
+    # (FSDP2): unlogged steps would need a collective, so the logged steps judge.
+    replicated = ranks is not None and ranks.layout == "replicated"
+    every_step = ranks is None or replicated
+    signals = build_signals(config, collector, stepped and not scaled, every_step, scaled)
+    raising = config.alerts.with_action("raise")
+    # A raise rule the step's norms cannot judge has the worker judge every due step.
+    judge_due = bool(set(raising) - set(SKIPPABLE)) or (bool(raising) and not every_step)
+    raises = StepRules(config.alerts, collector.index.layer_names, "raise")
+    schedule = StepSchedule(config)
+    judge = StepJudge(collector, signals, schedule, raises, judge_due, every_step, on_error)
+    collect = StepCollector(collector, ranks, signals.flight, on_error)
+    handover = Handover(mailbox, signals.updates, ranks, config.flush_timeout_s, on_error)
+    return Stepper(judge, collect, handover, Probes())

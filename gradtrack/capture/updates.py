@@ -1,23 +1,40 @@
-"""Optimizer-aware signals, exactly (``update_signals=True``): each parameter's norm and the
-norm of the update the optimizer actually applied (weight decay, momentum and Adam's
-preconditioning included).
+"""The update signals around the optimizer step: ‖W‖ and ‖ΔW‖, measured in one of two ways.
 
-ΔW is measured, not derived from the optimizer's state: on a logged step the parameters are
-copied, before ``optimizer.step()``, into buffers made once and reused (one copy of the
-trainable parameters, for the run), and subtracted from after it. Unlogged steps pay nothing.
-The default estimates ‖ΔW‖ from a sample instead (`gradtrack.capture.update_sample`).
+Exact (``update_signals=True``, `UpdateProbe`): each parameter's norm and the norm of the
+update the optimizer actually applied (weight decay, momentum and Adam's preconditioning
+included). ΔW is measured, not derived from the optimizer's state: on a logged step the
+parameters are copied, before ``optimizer.step()``, into buffers made once and reused (one copy
+of the trainable parameters, for the run), and subtracted from after it. Unlogged steps pay
+nothing.
+
+The default (`SampledUpdateProbe`), at ~zero memory: ‖W‖ exact, ‖ΔW‖ estimated from a fixed
+sample of each tensor, taken just before ``optimizer.step()`` and compared just after it. The
+sample is a lattice: ``SAMPLE_SIZE`` elements ``p`` apart in the flattened tensor, from a fixed
+random offset, with ``p`` the largest prime at most numel / ``SAMPLE_SIZE``. A prime stride
+shares no factor with a row's or a kernel's length (unless it equals it), so the sample walks
+across rows and columns alike instead of reading one column. ‖ΔW‖ ≈ ‖ΔW_sample‖ · √(numel /
+sample): exact for tensors of at most 2 × ``SAMPLE_SIZE`` elements (all taken), unbiased for
+the others (an update spread over the whole tensor — momentum, Adam — reads within a few
+percent; one that touches a few rows only, as SGD without momentum on an embedding, reads
+noisier). Memory: at most ``SAMPLE_SIZE`` elements per tensor, kept for the run; time: one norm
+pass over the weights and two strided copies per logged step.
+
+`Handover` (`gradtrack.capture.handover`) takes the "after" half once the optimizer stepped.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from gradtrack.capture.stats import DeviceIndex, accumulation_dtype, copy_to_host
+
+OnError = Callable[[int, Exception], None]
 
 
 class UpdateProbe:
@@ -76,3 +93,110 @@ def weight_norms(tensors: list[Tensor]) -> Tensor:
     """float64 L2 norms (fp32 accumulation for fp16/bf16 weights)."""
     accumulate = accumulation_dtype(tensors[0].dtype)
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=accumulate)).double()
+
+
+SAMPLE_SIZE = 1024  # elements of each tensor compared before and after the step
+
+
+class Lattice:
+    """Where one tensor is sampled: ``count`` elements ``stride`` apart from ``offset`` (all
+    of it, stride 1, when it is small or ``whole``: not contiguous), and √(numel / count)."""
+
+    def __init__(self, numel: int, sample: int, rng: np.random.Generator, whole: bool) -> None:
+        self.whole = whole or numel <= 2 * sample
+        if self.whole:
+            self.offset, self.stride, self.count = 0, 1, numel
+        else:
+            self.stride = largest_prime_at_most(numel // sample)
+            self.count = sample
+            span = (sample - 1) * self.stride + 1
+            self.offset = int(rng.integers(0, numel - span + 1))
+        self.scale = math.sqrt(numel / max(self.count, 1))
+
+    def view(self, param: Tensor) -> Tensor:
+        """The sampled elements of ``param``, a view (no copy)."""
+        if self.whole:
+            return param.detach()
+        flat = param.detach().view(-1)
+        end = self.offset + (self.count - 1) * self.stride + 1
+        return flat[self.offset : end : self.stride]
+
+
+def largest_prime_at_most(n: int) -> int:
+    """
+    >>> largest_prime_at_most(10), largest_prime_at_most(2), largest_prime_at_most(1)
+    (7, 2, 1)
+    """
+    for candidate in range(n, 1, -1):
+        if all(candidate % d for d in range(2, math.isqrt(candidate) + 1)):
+            return candidate
+    return 1
+
+
+class SampledUpdateProbe:
+    """`before` and `after` one optimizer step: per tensor, (‖W before‖ exact, ‖ΔW‖ estimated
+    from its lattice) as a float64 ``[tensors, 2]`` tensor on the first device, copied to the
+    host without a wait — the rows `gradtrack.capture.handover.UpdateProbe` makes, from a sample."""
+
+    def __init__(
+        self, params: Sequence[nn.Parameter], sample: int = SAMPLE_SIZE, seed: int = 0
+    ) -> None:
+        self._params = list(params)
+        rng = np.random.default_rng(seed)
+        self._lattices = [
+            Lattice(p.numel(), sample, rng, whole=not p.is_contiguous()) for p in self._params
+        ]
+        self._groups, self._inverse = device_groups(self._params)
+        self._index = DeviceIndex()
+        self._param_norms: list[Tensor] = []
+        # Each group's sample views, made at watch time (a view is metadata: no op per tensor
+        # at a step), and the storages they view: remade when a parameter's .data is replaced.
+        self._views: list[list[Tensor]] = []
+        self._viewed: list[int] = []
+        with torch.no_grad():
+            self._samples = [[torch.empty_like(v) for v in vs] for vs in self._sample_views()]
+        self._scales = [
+            torch.tensor(
+                [self._lattices[i].scale for i in group],
+                dtype=torch.float64,
+                device=self._params[group[0]].device,
+            )
+            for group in self._groups
+        ]
+
+    @property
+    def sample_bytes(self) -> int:
+        """Memory the samples hold for the run."""
+        return sum(lat.count * p.element_size() for lat, p in zip(self._lattices, self._params))
+
+    def _sample_views(self) -> list[list[Tensor]]:
+        storages = [p.data_ptr() for p in self._params]
+        if storages != self._viewed:
+            self._views = [
+                [self._lattices[i].view(self._params[i]) for i in group] for group in self._groups
+            ]
+            self._viewed = storages
+        return self._views
+
+    def before(self) -> None:
+        """Copy each tensor's sample (into buffers made once) and take the weights' norms."""
+        with torch.no_grad():
+            views = self._sample_views()
+            self._param_norms = []
+            for samples, group, sampled in zip(self._samples, self._groups, views):
+                torch._foreach_copy_(samples, sampled)
+                self._param_norms.append(weight_norms([self._params[i] for i in group]))
+
+    def after(self) -> tuple[Tensor, torch.cuda.Event | None]:
+        """The step's rows, in the order of ``params``, and the event its host copy sets."""
+        assert self._param_norms, "after() without before()"
+        with torch.no_grad():
+            updates = []
+            views = self._sample_views()
+            for samples, scales, sampled in zip(self._samples, self._scales, views):
+                torch._foreach_sub_(samples, sampled)
+                updates.append(weight_norms(samples) * scales)
+            device = self._params[0].device
+            params = torch.cat([n.to(device) for n in self._param_norms])
+            rows = torch.stack([params, torch.cat([n.to(device) for n in updates])], dim=1)
+            return copy_to_host(rows[self._index(self._inverse, device)])

@@ -2,7 +2,7 @@
 
 The verdict: finite or not, spiking or not, and the skip or raise a per-step rule asks for —
 known now where that costs no wait for the device, else latched on the device for the next
-logged step (`gradtrack.capture.latch`). The plan: what the step then needs — summarised or
+logged step (`gradtrack.capture.verdict`). The plan: what the step then needs — summarised or
 not, with its per-layer metrics or not (decided here, once, and carried to the worker), and
 judged by the worker before its optimizer step or not.
 """
@@ -16,18 +16,19 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from gradtrack.capture.collect import Collector, DevicePlan, Guard
 from gradtrack.capture.flight_ring import FlightRecorder
-from gradtrack.capture.latch import BadStepLatch
-from gradtrack.capture.schedule import StepSchedule
-from gradtrack.capture.skip import Skip
+from gradtrack.capture.skip import Journal, Skip, SkipPolicy
 from gradtrack.capture.spike import LayerNorms, NormWindow, on_host
-from gradtrack.capture.stats import accumulation_dtype, packed_squares
-from gradtrack.capture.step_rules import StepRules, Trip
-from gradtrack.capture.step_signals import Signals
-from gradtrack.errors import GradientAlertError
-from gradtrack.handoff.layout import spike_fields
+from gradtrack.capture.stats import DeviceIndex, accumulation_dtype, packed_squares
+from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe
+from gradtrack.config import GradtrackConfig
+from gradtrack.config.rules import SKIPPABLE
+from gradtrack.errors import GradientAlertError, GradtrackError
+from gradtrack.handoff.layout import FirstInWindow, spike_fields
+from gradtrack.handoff.rules import StepRules, Trip
 
 OnError = Callable[[int, Exception], None]
 
@@ -188,7 +189,7 @@ class StepJudge:
         self.collector = collector
         self.signals = signals
         self.schedule = schedule
-        self.raises = raises
+        self.raises = raises if raises else None  # (None: nothing to find, asked once)
         self.judge_due = judge_due
         # The verdict is read at every step: a per-step raise or skip rule acts on it now.
         self.reads_every_verdict = bool(raises) or signals.skips is not None
@@ -358,7 +359,7 @@ class StepJudge:
         if norms is None:  # (the layer norms failed: only the total can be judged)
             finite = bool(guard.finite(wait=True))
             total = np.full(1, np.nan if not finite else 0.0)
-            trip = self.raises.find(finite, total, None) if self.raises else None
+            trip = self.raises.find(finite, total, None) if self.raises is not None else None
             return Verdict(finite, False, None, trip)
         if cpu:  # host memory already: nothing to wait for, nothing to copy
             finite = bool(guard.finite())
@@ -379,7 +380,7 @@ class StepJudge:
         spiking = spike is not None and bool(spike_fields(spike)["spiking"].any())
         skips = self.signals.skips
         skip = None if skips is None else skips.decide(finite, norms, spike)
-        trip = self.raises.find(finite, norms, spike) if self.raises else None
+        trip = self.raises.find(finite, norms, spike) if self.raises is not None else None
         return Verdict(finite, spiking, skip, trip)
 
     def _latch(self, guard: Guard, step: int, spike: torch.Tensor | None) -> None:
@@ -397,3 +398,252 @@ class StepJudge:
             journal.add(step, skip, micro_batches)
         except OSError as exc:  # the step is still skipped; only its journal line is lost
             self._on_error(step, exc)
+
+
+# Per-layer steps per doubling of the step count, once past the dense start.
+DEFAULT_DENSITY = 32
+
+
+class DenseEarly:
+    """True for the per-layer steps: every logged step at first, then ever sparser, until
+    one per ``every`` steps.
+
+    After a per-layer step ``s`` the next is due at the next multiple of ``gap(s)``: the
+    largest power of two not above ``s // density`` (at least 1), and ``every`` from step
+    ``density * every`` on — from there the steps are the first logged step of each window
+    of ``every``, as with the fixed schedule. That is every logged step up to
+    ``2 * density``, then ``density`` to ``2 * density`` per-layer steps per doubling of
+    the step count. Over fixed windows of ``every`` this adds at most
+    ``density * (1 + log2 every)`` per-layer steps to a run of any length (``density=32,
+    every=100``: ≤ 245; a 200-step run logged every 10 steps gets 20 columns instead of
+    2). It is asked only on logged steps, in increasing order.
+
+    >>> due = DenseEarly(every=100, density=4)
+    >>> [step for step in range(0, 1000) if due(step)][:14]
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20]
+    >>> due = DenseEarly(every=100, density=4)  # logged every 10 steps
+    >>> [step for step in range(0, 1000, 10) if due(step)][8:]
+    [80, 100, 120, 130, 160, 200, 230, 260, 320, 390, 450, 500, 600, 700, 800, 900]
+    """
+
+    def __init__(self, every: int, density: int = DEFAULT_DENSITY) -> None:
+        if every < 1 or density < 1:
+            raise ValueError(f"every and density must be >= 1, got {every}, {density}")
+        self.every, self.density = every, density
+        self._next_due = 0
+
+    def gap(self, step: int) -> int:
+        """Steps from per-layer step ``step`` to the next one: ``every`` once
+        ``step // density`` reaches it, else the largest power of two not above that (at
+        least 1). Powers of two nest, so sparser steps stay on the denser ones."""
+        target = step // self.density
+        if target >= self.every:
+            return self.every
+        return 1 << max(0, target.bit_length() - 1)
+
+    def __call__(self, step: int) -> bool:
+        if step < self._next_due:
+            return False
+        gap = self.gap(step)
+        self._next_due = (step // gap + 1) * gap
+        return True
+
+
+def extra_steps_bound(every: int, density: int = DEFAULT_DENSITY) -> int:
+    """How many more per-layer steps `DenseEarly` writes than fixed windows of ``every``,
+    at most, for a run of any length.
+
+    >>> extra_steps_bound(100)
+    245
+    """
+    return math.ceil(density * (1 + math.log2(every)))
+
+
+def layer_schedule(config: GradtrackConfig) -> Callable[[int], bool]:
+    """The per-layer schedule ``config.layer_schedule`` names, for ``config.layer_every``.
+
+    >>> due = layer_schedule(GradtrackConfig(layer_every=100, layer_schedule="dense_early"))
+    >>> [step for step in range(0, 200, 10) if due(step)] == list(range(0, 200, 10))
+    True
+    >>> due = layer_schedule(GradtrackConfig(layer_every=100))
+    >>> [step for step in range(0, 200, 10) if due(step)]
+    [0, 100]
+    """
+    if config.layer_schedule == "dense_early":
+        return DenseEarly(config.layer_every)
+    return FirstInWindow(config.layer_every)
+
+
+class StepSchedule:
+    """What each step writes: summarised (``log_every``), sampled for histograms
+    (``histograms.every``), with per-layer metrics (`layer_schedule`), and which bad or spiking
+    step of each ``layer_every`` window is written with its per-layer metrics anyway.
+
+    >>> schedule = StepSchedule(GradtrackConfig(log_every=5, histograms={"every": 10}))
+    >>> [schedule.due(step) for step in (0, 5, 7)]
+    [(True, True), (True, False), (False, False)]
+    >>> schedule = StepSchedule(GradtrackConfig(log_every=5, log_offset=1))  # Lightning's
+    >>> [step for step in range(12) if schedule.due(step)[0]]
+    [4, 9]
+    """
+
+    def __init__(self, config: GradtrackConfig) -> None:
+        self.log_every = config.log_every
+        self.offset = config.log_offset
+        self.hist_every = config.histograms.every
+        self.per_layer = layer_schedule(config)
+        # The first non-finite step of each window, logged or not (the guard's find); and
+        # the first spiking one, apart: a spike must not take a later NaN's place.
+        self.first_bad = FirstInWindow(config.layer_every)
+        self.first_spike = FirstInWindow(config.layer_every)
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """(summarised, sampled) for ``step``."""
+        step += self.offset
+        sampled = self.hist_every is not None and step % self.hist_every == 0
+        return step % self.log_every == 0, sampled
+
+    def any_due(self, step: int) -> bool:
+        return self.due(step) != (False, False)
+
+
+class BadStepLatch:
+    """The step number and per-tensor L2 norms of the first bad step since the last `take`
+    — non-finite, or spiking (`gradtrack.capture.spike`) — as one float64 tensor
+    ``[step, *norms, *spike]`` on the model's (first) device; -1 for no step yet and for
+    tensors without a gradient at that step; ``spike`` the step's spike vector (``spike_size``
+    values, none without the spike rule)."""
+
+    def __init__(self, n_tensors: int, spike_size: int = 0) -> None:
+        self.n_tensors = n_tensors
+        self.size = 1 + n_tensors + spike_size
+        self._state: Tensor | None = None
+        self._index = DeviceIndex()
+        self.holding: Tensor | None = None  # see `update`
+
+    def update(self, guard: Guard, step: int, spike: Tensor | None = None) -> None:
+        """Latch this step if it is the first bad one: no host read, no branch."""
+        part = guard.devices[0]  # (a model spread over devices is latched on its first)
+        state = self._state_on(part.device)
+        bad = ~torch.isfinite(part.l2).all()
+        if spike is not None:
+            bad = bad | spike_flagged(spike)
+        empty = state[0] < 0
+        self.holding = ~empty  # a bad step latched before this one
+        fresh = torch.logical_and(bad, empty)
+        if spike is not None:
+            tail = state[1 + self.n_tensors :]
+            tail.copy_(torch.where(fresh, spike, tail))
+        state[0] = torch.where(fresh, float(step), state[0])
+        index = self._index(part.index, part.device) + 1
+        state[index] = torch.where(fresh, part.l2, state[index])
+
+    def take(self, device: torch.device) -> Tensor:
+        """The latch, for a logged step's host copy; the next step starts a fresh one (in
+        place would race with the copy, which runs later in the device's stream)."""
+        state, self._state, self.holding = self._state_on(device), None, None
+        return state
+
+    def read(self) -> np.ndarray | None:
+        """The latch read on the host (a wait for the device: for the end of training only);
+        None if no step was latched since the last take."""
+        state, self._state, self.holding = self._state, None, None
+        if state is None:
+            return None
+        flags = state.cpu().numpy()
+        return None if flags[0] < 0 else flags
+
+    def _state_on(self, device: torch.device) -> Tensor:
+        if self._state is None:  # made on the device: a copy from the host could wait
+            self._state = torch.full((self.size,), -1.0, dtype=torch.float64, device=device)
+        return self._state
+
+
+def spike_flagged(spike: Tensor) -> Tensor:
+    """Whether any column of a `gradtrack.capture.spike.NormWindow` vector spiked (on the
+    device)."""
+    return spike[2 * (len(spike) // 3) :].any()
+
+
+@dataclass
+class Signals:
+    spikes: NormWindow | None = None  # every step's spike statistics
+    skips: SkipPolicy | None = None  # the rules whose action is "skip"
+    journal: Journal | None = None  # the skipped steps, on disk
+    layer_norms: LayerNorms | None = None  # every step's layer norms (for these three)
+    flight: FlightRecorder | None = None  # the last steps' layer norms, on the device
+    updates: UpdateProbe | SampledUpdateProbe | None = None  # each logged step's ‖ΔW‖, ‖W‖
+    # Why the default (sampled) update signals are off, said once when watching starts.
+    missing: str | None = None
+
+
+def build_signals(
+    config: GradtrackConfig,
+    collector: Collector,
+    own_steps: bool,
+    guard_every_step: bool,
+    scaled: bool = False,
+) -> Signals:
+    """The signals ``config`` asks for. ``own_steps``: each step is one step of a given
+    optimizer (and no scaler), which gradtrack's hooks wrap: skipping and update signals
+    need it; ``guard_every_step``: the guard reads every step (spikes need it); ``scaled``:
+    a GradScaler ends the steps."""
+    rules = config.alerts
+    layer_names = collector.index.layer_names
+    skip_rules = rules.skip_rules()
+    exact = config.update_signals is True
+    if (skip_rules or exact) and not own_steps:
+        feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
+        raise GradtrackError(
+            f"{feature} needs optimizer= (without scaler=): gradtrack must be at the "
+            "optimizer's step, before and after it runs. (A GradScaler already skips "
+            "non-finite steps by itself.)"
+        )
+    if skip_rules and collector.partitions is not None:
+        raise GradtrackError(
+            f"action='skip' ({', '.join(skip_rules)}) cannot leave out a DeepSpeed ZeRO step: "
+            "the ZeRO optimizer steps its own partitions; use action='raise' or 'warn'"
+        )
+    if exact and collector.sharded_weights:
+        raise GradtrackError(
+            "update_signals does not support sharded parameters (FSDP2, ZeRO-3) yet"
+        )
+    signals = Signals()
+    columns: list[str | None] = [None, *layer_names]
+    spike_on = [rules.for_layer("spike", layer).enabled for layer in columns]
+    if any(spike_on) and guard_every_step:
+        signals.spikes = NormWindow(
+            len(layer_names), rules.spike.window, rules.spike.warmup,
+            z=[rules.for_layer("spike", layer).z for layer in columns],
+            ratio=[rules.for_layer("spike", layer).ratio for layer in columns],
+            enabled=spike_on,
+        )  # fmt: skip
+    if skip_rules:
+        signals.skips = SkipPolicy(rules, layer_names, config.skip.max_consecutive)
+        signals.journal = Journal(config.skip.journal)
+    if config.flight.enabled and guard_every_step:
+        signals.flight = FlightRecorder(config.flight.steps + 1, len(layer_names))  # + the incident
+    raise_rules = rules.with_action("raise", SKIPPABLE)  # judged on every step's norms
+    if signals.spikes or signals.skips or signals.flight or raise_rules:
+        signals.layer_norms = LayerNorms(collector.index.tensor_layer, len(layer_names))
+    if exact:
+        signals.updates = UpdateProbe(collector.params)
+    elif config.update_signals == "sampled":
+        signals.missing = _sampled_missing(own_steps, collector.sharded_weights, scaled)
+        if signals.missing is None:
+            signals.updates = SampledUpdateProbe(collector.params, seed=config.histograms.seed)
+    return signals
+
+
+def _sampled_missing(own_steps: bool, sharded: bool, scaled: bool) -> str | None:
+    """What the default update signals (and the learning_rate rule's evidence) lack here."""
+    if scaled:
+        return (
+            "update ratios and the learning-rate diagnosis are off under a GradScaler: its "
+            "steps end at scaler.update(), after the optimizer has stepped"
+        )
+    if not own_steps:
+        return "update ratios and the learning-rate diagnosis are off: they need optimizer="
+    if sharded:
+        return "update ratios are off: sharded parameters (FSDP2, ZeRO-3) are not supported yet"
+    return None

@@ -383,7 +383,7 @@ class GradtrackConfig(BaseModel):
         "fixed",
         description="Which logged steps write per-layer metrics: 'fixed', the first of every "
         "layer_every steps; 'dense_early', every logged step at first, then ever sparser "
-        "until one per layer_every (gradtrack.capture.schedule.DenseEarly: a short run gets enough "
+        "until one per layer_every (gradtrack.capture.verdict.DenseEarly: a short run gets enough "
         "points, a long one at most ~250 per-layer steps more than 'fixed').",
     )
     activations: bool = Field(
@@ -394,7 +394,7 @@ class GradtrackConfig(BaseModel):
         description="Each layer's weight norm and the norm of the update optimizer.step() "
         "applied, on logged steps (needs optimizer=): param_norm/, update_norm/, "
         "update_ratio/, and the learning_rate rule. 'sampled' (the default): ||W|| exact, "
-        "||dW|| from a fixed sample of each tensor (gradtrack.capture.update_sample; a few KiB per "
+        "||dW|| from a fixed sample of each tensor (gradtrack.capture.handover; a few KiB per "
         "tensor); True: ||dW|| exact from a copy of the trainable parameters, kept for the "
         "run; False: off. See docs/signals.md.",
     )

@@ -86,7 +86,7 @@ class StepRecord:
     # NaN/Inf counts are written at every logged step.
     layer_detail: LayerDetail = "all"
     # Whether NaN/Inf elements were counted. Not at a non-finite step that an accelerator's
-    # guard latched between logged steps (see `gradtrack.capture.latch`): its norms say which
+    # guard latched between logged steps (see `gradtrack.capture.verdict`): its norms say which
     # layers went non-finite, and its count columns are 0 and never written.
     counted: bool = True
     # Steps lost so far between the training thread and the sinks (a full queue): written as

@@ -36,10 +36,10 @@ class StepEvidence:
     replicated rank's local tensor norms (``rank_norms``), every sharded rank's output flags
     (``rank_flags``, see `gradtrack.capture.mesh`), the step's spike vector
     (`gradtrack.capture.spike`),
-    the latched bad step (`gradtrack.capture.latch`), the flight recorder's rows since the last
+    the latched bad step (`gradtrack.capture.verdict`), the flight recorder's rows since the last
     hand-off (``flight``, `gradtrack.capture.flight_ring`) and, under gradient accumulation, each
     tensor's squared micro-batch gradients summed (``micro_squares``,
-    `gradtrack.capture.noise_probes`).
+    `gradtrack.capture.probes`).
     """
 
     output_finite: Tensor | None = None

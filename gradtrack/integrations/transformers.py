@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from gradtrack.capture.wrappers import scaler_of
+from gradtrack.capture.probes import scaler_of
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.integrations._options import CallbackOptions

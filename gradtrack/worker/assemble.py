@@ -45,7 +45,7 @@ _NONE: dict[str, Any] = {}  # a part that failed adds no field
 @dataclass
 class AssembledStep:
     """A step's records and alerts: one record, led by the latched bad step before it when
-    an accelerator's guard latched one (see `gradtrack.capture.latch`)."""
+    an accelerator's guard latched one (see `gradtrack.capture.verdict`)."""
 
     records: list[StepRecord]
     events: list[AlertEvent]

@@ -11,7 +11,7 @@ the squared norm of their mean over ``b_big`` examples, both unbiased:
 and the simple noise scale B_simple = tr(S) / |G|^2 is the ratio of their EMAs (one step's
 ratio is noisy and biased). The two sizes come from data-parallel ranks (each rank's local
 gradient against the all-reduced one) or from gradient accumulation (each micro-batch's
-contribution against their sum): `gradtrack.capture.noise_probes`.
+contribution against their sum): `gradtrack.capture.probes`.
 
 >>> scale = NoiseScale(ema=0.5)
 >>> estimate = scale.update(np.array([2.0]), np.array([1.5]), b_small=8, b_big=16)
