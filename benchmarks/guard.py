@@ -50,6 +50,7 @@ from gradtrack.capture.skip import SkipPolicy
 from gradtrack.capture.spike import LayerNorms, NormWindow, on_host
 from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe
 from gradtrack.handoff.layout import spike_fields
+from gradtrack.handoff.rules import PerStepRules
 from gradtrack.sinks import MemorySink
 
 
@@ -87,7 +88,7 @@ def measure(name: str, reps: int) -> dict[str, float]:
     layer_norms = LayerNorms(collector.index.tensor_layer, len(names))
     spikes = NormWindow(len(names), 128, 32, [6.0] * (1 + len(names)), [3.0] * (1 + len(names)),
                         [True] * (1 + len(names)))  # fmt: skip
-    policy = SkipPolicy(watcher.config.alerts, names, max_consecutive=5)
+    policy = SkipPolicy(PerStepRules(watcher.config.alerts, names), max_consecutive=5)
 
     def guard_spike() -> None:
         checked = collector.guard(exact=False)

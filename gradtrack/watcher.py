@@ -120,7 +120,14 @@ class Watcher:
         optimizer steps once per step; ``scaled``: a GradScaler's update ends each step."""
         config = self.config
         self.stepper = step_path(
-            config, self.collector, self.ranks, self.mailbox, stepped, scaled, self._collect_failed
+            config,
+            self.alert_engine.per_step,
+            self.collector,
+            self.ranks,
+            self.mailbox,
+            stepped,
+            scaled,
+            self._collect_failed,
         )
         self.judge, self.probes = self.stepper.judge, self.stepper.probes
         replicated = self.ranks is not None and self.ranks.layout == "replicated"

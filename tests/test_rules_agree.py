@@ -16,7 +16,7 @@ import pytest
 from gradtrack.alerts.engine import AlertEngine
 from gradtrack.config.rules import AlertRules
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.rules import StepRules
+from gradtrack.handoff.rules import PerStepRules, StepRules
 
 LAYERS = ("stem", "block.0", "block.1", "head")
 PER_STEP = ("nonfinite", "spike", "exploding")
@@ -85,7 +85,7 @@ def raised(
 @pytest.mark.parametrize("seed", range(4))
 def test_raise_and_the_alerts_trip_the_same_columns(seed: int) -> None:
     rules = AlertRules(**RULES)  # type: ignore[arg-type]
-    judge = StepRules(rules, LAYERS, "raise")
+    judge = StepRules(PerStepRules(rules, LAYERS), "raise")
     rng = np.random.default_rng(seed)
     tripped_any = set()
     watched = np.array([rules.for_layer("spike", c).enabled for c in (None, *LAYERS)])
@@ -120,7 +120,9 @@ def test_a_nan_in_a_layer_whose_rule_raises_is_raised_beside_one_whose_rule_warn
     )
     norms, spiking = np.array([1.0, 1.0, np.nan, np.nan]), np.zeros(5, dtype=bool)
     step = record(0, norms, spiking)
-    assert raised(StepRules(rules, LAYERS, "raise"), norms, spiking, step.total_norm) == (
+    assert raised(
+        StepRules(PerStepRules(rules, LAYERS), "raise"), norms, spiking, step.total_norm
+    ) == (
         "nonfinite",
         None,
     )

@@ -176,16 +176,32 @@ def test_the_step_path_has_few_parts() -> None:
     assert deciding == ["gradtrack.capture.verdict"]
 
 
-def test_skip_raise_and_alerts_share_one_check_per_rule_family() -> None:
-    rules = "gradtrack.handoff.rules"
-    users = sorted(name for name, deps in GRAPH.items() if rules in deps)
-    assert users == [
-        "gradtrack.alerts.magnitude",
-        "gradtrack.alerts.nonfinite",
-        "gradtrack.capture.skip",
-        "gradtrack.capture.stepper",
-        "gradtrack.capture.verdict",
-    ]
+def test_skip_raise_and_alerts_share_one_per_step_rules_object() -> None:
+    """The per-step rules (nonfinite, spike, exploding) are built once per watch, by the alert
+    engine, and the training thread's raise and skip judge with that same object: no second
+    copy of their thresholds or ``enabled`` anywhere (tests/test_rules_agree.py shows both
+    threads trip the same columns)."""
+    import torch
+    from torch import nn
+
+    import gradtrack
+
+    built = sorted(
+        name
+        for name, path in MODULES.items()
+        for line in path.read_text().splitlines()
+        if "PerStepRules(" in line and not line.lstrip().startswith(">>>")  # (not a doctest)
+    )
+    assert built == ["gradtrack.alerts.engine"]
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    alerts = {"nonfinite": {"action": "raise"}, "spike": {"action": "skip"}}
+    with gradtrack.watch(model, "memory", optimizer, alerts=alerts) as watcher:
+        assert isinstance(watcher, gradtrack.Watcher)
+        shared = watcher.alert_engine.per_step
+        judge = watcher.stepper.judge
+        assert judge.raises is not None and judge.raises.per_step is shared
+        assert judge.signals.skips is not None and judge.signals.skips.rules.per_step is shared
 
 
 def _calls(tree: ast.AST, name: str) -> list[ast.Call]:

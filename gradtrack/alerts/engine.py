@@ -26,6 +26,7 @@ from gradtrack.alerts.wording import Story, listed, sentence
 from gradtrack.config.rules import AlertRules
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.rules import PerStepRules
 
 
 class AlertEngine:
@@ -44,6 +45,8 @@ class AlertEngine:
         saturated tanh/sigmoid rather than dead ReLUs
         (`gradtrack.capture.layers.saturating_layers`)."""
         self.rank = rank
+        # The per-step rules, shared with skip and raise on the training thread.
+        self.per_step = PerStepRules(rules, depth_order)
         self._book = RuleBook(rules, depth_order)
         cooldowns = Cooldowns(self._book, rank)
         self._kinds = LayerKinds(
@@ -52,11 +55,11 @@ class AlertEngine:
         self._backward = BackwardOrder(self._book.depth)
         self._total_norms: deque[float] = deque(maxlen=1000)
         self._amp = AmpCheck(self._book, cooldowns)
-        self._nonfinite = NonFiniteCheck(self._book, cooldowns, self._backward)
-        self._exploding = ExplodingCheck(self._book, cooldowns, self._total_norms)
+        self._nonfinite = NonFiniteCheck(self._book, cooldowns, self._backward, self.per_step)
+        self._exploding = ExplodingCheck(self._book, cooldowns, self._total_norms, self.per_step)
         self._vanishing = VanishingCheck(self._book, cooldowns)
         self._dead = DeadCheck(self._book, cooldowns, saturating or [False] * len(depth_order))
-        self._spike = SpikeCheck(self._book, cooldowns)
+        self._spike = SpikeCheck(self._book, cooldowns, self.per_step)
         self._update_ratio = UpdateRatioCheck(self._book, cooldowns)
         self._story = Story()
         self._learning_rate = LearningRateCheck(self._book, cooldowns, self._story)
@@ -83,7 +86,7 @@ class AlertEngine:
         events += self._learning_rate.check(record, idx)  # a cause, before its consequences
         events += self._exploding.layers(record, idx)
         events += self._vanishing.check(record, idx) + self._dead.check(record, idx)
-        events += self._exploding.check(record, None, record.total_norm)
+        events += self._exploding.total(record)
         events += self._spike.check(record)
         events += self._update_ratio.check(record, idx, self._story.open(record.step))
         jumps = self._jump.check(record)

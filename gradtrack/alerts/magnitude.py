@@ -21,43 +21,61 @@ from gradtrack.alerts.book import Check, Cooldowns, RuleBook, Runs
 from gradtrack.alerts.wording import counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.rules import exploding_columns
+from gradtrack.handoff.rules import PerStepRules
 
 
 class ExplodingCheck(Check):
-    """Suggests a clipping norm from ``total_norms``, the finite total norms seen so far."""
+    """Words the layers and the total `PerStepRules` finds above their threshold, suggesting
+    a clipping norm from ``total_norms``, the finite total norms seen so far."""
 
-    def __init__(self, book: RuleBook, cooldowns: Cooldowns, total_norms: deque[float]) -> None:
+    def __init__(
+        self,
+        book: RuleBook,
+        cooldowns: Cooldowns,
+        total_norms: deque[float],
+        per_step: PerStepRules,
+    ) -> None:
         super().__init__(book, cooldowns)
         self.total_norms = total_norms
+        self.per_step = per_step
 
     def layers(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
         """Every layer above its threshold; Python work only for those."""
-        norms = record.column("norm")
-        threshold = self.book.param("exploding", "threshold", idx)
-        explodes = exploding_columns(norms, threshold, self.book.enabled("exploding", idx))
+        norms, cols = record.column("norm"), idx + 1
         events: list[AlertEvent] = []
-        for j in np.flatnonzero(explodes):
-            events += self.check(record, record.layers[j], float(norms[j]))
+        for j in np.flatnonzero(self.per_step.exploding(norms, cols)):
+            events += self._event(record, record.layers[j], float(norms[j]), int(cols[j]))
         return events
 
-    def check(self, record: StepRecord, layer: str | None, norm: float) -> list[AlertEvent]:
-        """``norm``, the gradient norm of ``layer`` (None: the total norm), against its rule."""
-        rule = self.book.rule("exploding", layer)
-        if not rule.enabled or not math.isfinite(norm) or norm <= rule.threshold:
-            return []  # non-finite norms belong to the nonfinite rule
-        history = [n for n in self.total_norms if n <= rule.threshold]
-        clip = float(np.percentile(history, 90)) if history else rule.threshold / 10
+    def total(self, record: StepRecord) -> list[AlertEvent]:
+        """The total norm, if above its threshold."""
+        norm, total = record.total_norm, np.zeros(1, np.int64)
+        if not self.per_step.exploding(np.array([norm]), total)[0]:
+            return []  # (non-finite norms belong to the nonfinite rule)
+        return self._event(record, None, norm, 0)
+
+    def _event(
+        self, record: StepRecord, layer: str | None, norm: float, column: int
+    ) -> list[AlertEvent]:
+        threshold = float(self.per_step.explode_at[column])
+        history = [n for n in self.total_norms if n <= threshold]
+        clip = float(np.percentile(history, 90)) if history else threshold / 10
         name = f"gradient norm of {layer}" if layer else "total gradient norm"
+        message = (
+            f"{name} is {norm:.3g}, above {threshold:.3g}. Try: a lower learning rate, or "
+            "clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), "
+            f"max_norm={clip:.2g}) (the 90th percentile of the total norms seen so far)."
+        )
+        statistic = "norm" if layer else "total_norm"
         return self.cooldowns.emit(
-            record, "exploding", layer, statistic="norm" if layer else "total_norm",
-            value=norm, threshold=rule.threshold,
-            message=(
-                f"{name} is {norm:.3g}, above {rule.threshold:.3g}. Try: a lower "
-                "learning rate, or clipping: torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                f"max_norm={clip:.2g}) (the 90th percentile of the total norms seen so far)."
-            ),
-        )  # fmt: skip
+            record,
+            "exploding",
+            layer,
+            statistic=statistic,
+            value=norm,
+            threshold=threshold,
+            message=message,
+        )
 
 
 class VanishingCheck(Check):
@@ -150,6 +168,10 @@ class DeadCheck(Check):
 class SpikeCheck(Check):
     """Words the spikes of a step; the window's statistics come with the record."""
 
+    def __init__(self, book: RuleBook, cooldowns: Cooldowns, per_step: PerStepRules) -> None:
+        super().__init__(book, cooldowns)
+        self.per_step = per_step
+
     def check(self, record: StepRecord) -> list[AlertEvent]:
         """The columns the every-step spike window flagged at this step, on the device (a
         step between logged ones reaches here when it spiked): the flags are the check, the
@@ -158,15 +180,15 @@ class SpikeCheck(Check):
             return []
         events: list[AlertEvent] = []
         window = self.book.rules.spike.window
-        for column in np.flatnonzero(record.spiking):
+        for column in np.flatnonzero(self.per_step.spiking(record.spiking)):
             layer = None if column == 0 else self.book.names[column - 1]
             z, typical = float(record.spike_z[column]), float(record.spike_typical[column])
             name = f"gradient norm of {layer}" if layer else "total gradient norm"
             norm = record.total_norm if layer is None else _layer_norm(record, layer)
-            rule = self.book.rule("spike", layer)
+            ratio = float(self.per_step.spike_ratio[column])
             events += self.cooldowns.emit(
                 record, "spike", layer, statistic="norm" if layer else "total_norm",
-                value=norm, threshold=typical * rule.ratio,
+                value=norm, threshold=typical * ratio,
                 message=(
                     f"{name} spiked to {norm:.3g} at step {record.step}: "
                     f"{norm / typical:.1f}x its typical {typical:.3g} over the last {window} "

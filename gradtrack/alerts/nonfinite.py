@@ -23,16 +23,19 @@ from gradtrack.alerts.book import Check, Cooldowns, RuleBook
 from gradtrack.alerts.wording import counted, listed
 from gradtrack.formats.event import AlertEvent, Stage
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.rules import nonfinite_columns
+from gradtrack.handoff.rules import PerStepRules
 
 
 class NonFiniteCheck(Check):
     """Remembers the last step with a non-finite gradient and the first with non-finite
     weights, so that a weights event can name the update that broke them."""
 
-    def __init__(self, book: RuleBook, cooldowns: Cooldowns, blame: BackwardOrder) -> None:
+    def __init__(
+        self, book: RuleBook, cooldowns: Cooldowns, blame: BackwardOrder, per_step: PerStepRules
+    ) -> None:
         super().__init__(book, cooldowns)
         self.blame = blame
+        self.per_step = per_step
         self._last_bad_gradient: int | None = None  # the last step with a non-finite gradient
         self._weights_bad_since: int | None = None  # the first step whose weights were
 
@@ -40,8 +43,9 @@ class NonFiniteCheck(Check):
         """One event for every layer whose gradient holds NaN or Inf, named by its origin."""
         nan_counts, inf_counts = record.column("nan"), record.column("inf")
         norms = record.column("norm")  # exact: non-finite only where an element is
-        rows = np.flatnonzero(nonfinite_columns(norms, nan_counts, inf_counts))
-        if len(rows) == 0 or not self.book.rule("nonfinite", None).enabled:
+        cols = self.per_step.columns(record.layers)
+        rows = np.flatnonzero(self.per_step.nonfinite(cols, norms, nan_counts, inf_counts))
+        if len(rows) == 0:
             return []
         bad = [record.layers[j] for j in rows]
         origin, stage = self.blame.origin(record, bad)

@@ -12,7 +12,7 @@ import json
 import os
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradtrack.config.rules import AlertRules
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.formats.atomic import write_atomic
 from gradtrack.formats.event import AlertEvent
-from gradtrack.handoff.rules import StepRules, Trip
+from gradtrack.handoff.rules import PerStepRules, StepRules, Trip
 
 Skip = Trip  # why one step is left out: the rule, and the layer it names (None: the total)
 
@@ -33,8 +32,8 @@ class SkipPolicy:
     """Which steps the ``skip`` rules leave out (`StepRules` for ``action="skip"``), and how
     many in a row before skipping gives way to an error."""
 
-    def __init__(self, rules: AlertRules, layer_names: Sequence[str], max_consecutive: int):
-        self.rules = StepRules(rules, layer_names, "skip")
+    def __init__(self, per_step: PerStepRules, max_consecutive: int):
+        self.rules = StepRules(per_step, "skip")
         self.max_consecutive = max_consecutive
         self.consecutive = 0
         self.total = 0

@@ -24,7 +24,7 @@ from gradtrack.capture.verdict import StepJudge, StepSchedule, build_signals
 from gradtrack.config import GradtrackConfig, NoiseScaleOptions
 from gradtrack.config.rules import SKIPPABLE
 from gradtrack.handoff.mailbox import Mailbox
-from gradtrack.handoff.rules import StepRules
+from gradtrack.handoff.rules import PerStepRules, StepRules
 
 
 class Stepper:
@@ -122,6 +122,7 @@ class Stepper:
 
 def step_path(
     config: GradtrackConfig,
+    per_step: PerStepRules,
     collector: Collector,
     ranks: RankGroup | None,
     mailbox: Mailbox,
@@ -130,17 +131,18 @@ def step_path(
     on_error: OnError,
 ) -> Stepper:
     """The parts a step passes through on the training thread, from its verdict to the
-    mailbox. ``stepped``: an optimizer steps once per step; ``scaled``: a GradScaler's update
-    ends each step; ``on_error`` hears of a step that could not be collected."""
+    mailbox, judged by ``per_step``, the rules the worker's alerts share. ``stepped``: an
+    optimizer steps once per step; ``scaled``: a GradScaler's update ends each step;
+    ``on_error`` hears of a step that could not be collected."""
     # The guard's verdict is read at every step unless each rank sees only its shards
     # (FSDP2): unlogged steps would need a collective, so the logged steps judge.
     replicated = ranks is not None and ranks.layout == "replicated"
     every_step = ranks is None or replicated
-    signals = build_signals(config, collector, stepped and not scaled, every_step, scaled)
+    signals = build_signals(config, per_step, collector, stepped and not scaled, every_step, scaled)
     raising = config.alerts.with_action("raise")
     # A raise rule the step's norms cannot judge has the worker judge every due step.
     judge_due = bool(set(raising) - set(SKIPPABLE)) or (bool(raising) and not every_step)
-    raises = StepRules(config.alerts, collector.index.layer_names, "raise")
+    raises = StepRules(per_step, "raise")
     schedule = StepSchedule(config)
     judge = StepJudge(collector, signals, schedule, raises, judge_due, every_step, on_error)
     collect = StepCollector(collector, ranks, signals.flight, on_error)

@@ -28,7 +28,7 @@ from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradientAlertError, GradtrackError
 from gradtrack.handoff.layout import FirstInWindow, spike_fields
-from gradtrack.handoff.rules import StepRules, Trip
+from gradtrack.handoff.rules import PerStepRules, StepRules, Trip
 
 OnError = Callable[[int, Exception], None]
 
@@ -579,6 +579,7 @@ class Signals:
 
 def build_signals(
     config: GradtrackConfig,
+    per_step: PerStepRules,
     collector: Collector,
     own_steps: bool,
     guard_every_step: bool,
@@ -587,8 +588,8 @@ def build_signals(
     """The signals ``config`` asks for. ``own_steps``: each step is one step of a given
     optimizer (and no scaler), which gradtrack's hooks wrap: skipping and update signals
     need it; ``guard_every_step``: the guard reads every step (spikes need it); ``scaled``:
-    a GradScaler ends the steps."""
-    rules = config.alerts
+    a GradScaler ends the steps; ``per_step``: the per-step rules the alerts share."""
+    rules = per_step.alert_rules
     layer_names = collector.index.layer_names
     skip_rules = rules.skip_rules()
     exact = config.update_signals is True
@@ -609,17 +610,18 @@ def build_signals(
             "update_signals does not support sharded parameters (FSDP2, ZeRO-3) yet"
         )
     signals = Signals()
-    columns: list[str | None] = [None, *layer_names]
-    spike_on = [rules.for_layer("spike", layer).enabled for layer in columns]
-    if any(spike_on) and guard_every_step:
+    spike_on = per_step.enabled["spike"]
+    if spike_on.any() and guard_every_step:
         signals.spikes = NormWindow(
-            len(layer_names), rules.spike.window, rules.spike.warmup,
-            z=[rules.for_layer("spike", layer).z for layer in columns],
-            ratio=[rules.for_layer("spike", layer).ratio for layer in columns],
-            enabled=spike_on,
-        )  # fmt: skip
+            len(layer_names),
+            rules.spike.window,
+            rules.spike.warmup,
+            z=per_step.spike_z,
+            ratio=per_step.spike_ratio.tolist(),
+            enabled=spike_on.tolist(),
+        )
     if skip_rules:
-        signals.skips = SkipPolicy(rules, layer_names, config.skip.max_consecutive)
+        signals.skips = SkipPolicy(per_step, config.skip.max_consecutive)
         signals.journal = Journal(config.skip.journal)
     if config.flight.enabled and guard_every_step:
         signals.flight = FlightRecorder(config.flight.steps + 1, len(layer_names))  # + the incident

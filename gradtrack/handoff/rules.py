@@ -1,9 +1,11 @@
-"""The per-step rules' one vectorised check each, shared by both threads: the training thread's
-``skip`` and ``raise`` (on a step's norms, before its optimizer step) and the worker's alerts
-(on its record) trip on exactly the same columns.
+"""The per-step rules (nonfinite, spike, exploding), built once per watch and shared by both
+threads: the training thread's ``skip`` and ``raise`` (on a step's norms, before its optimizer
+step) and the worker's alerts (on its record) ask the one `PerStepRules` which columns trip,
+so they trip on exactly the same ones. The alert modules only word what it found.
 
-Columns are a step's norms: the total or each layer's, in whichever order the caller holds
-them; thresholds and ``enabled`` are per column.
+Columns are a step's norms: column 0 the total, ``1 + i`` layer ``i`` of the watch (as
+`gradtrack.capture.spike.LayerNorms` orders them); thresholds, ``enabled`` and the action are
+per column, per-layer overrides applied.
 """
 
 from __future__ import annotations
@@ -56,24 +58,69 @@ class Trip(NamedTuple):
     layer: str | None
 
 
-class StepRules:
-    """Which columns of a step's norms each per-step rule watches for one action: column 0
-    is the total, ``1 + i`` layer ``i`` (as `gradtrack.capture.spike.LayerNorms` orders
-    them)."""
+class PerStepRules:
+    """The per-step rules of one watch, per column: on or off, their action, the exploding
+    threshold and the spike window's ``z`` and ``ratio``. Nothing else reads these fields of
+    the three rules.
 
-    def __init__(self, rules: AlertRules, layer_names: Sequence[str], action: str) -> None:
+    >>> rules = PerStepRules(AlertRules(exploding={"threshold": 10.0}), ["a", "b"])
+    >>> rules.exploding(np.array([50.0, 5.0, np.inf]), np.arange(3)).tolist()
+    [True, False, False]
+    """
+
+    def __init__(self, rules: AlertRules, layer_names: Sequence[str]) -> None:
+        self.alert_rules = rules
         self.layer_names = tuple(layer_names)
-        self.rules = rules.with_action(action, SKIPPABLE)
-        columns: list[str | None] = [None, *layer_names]
+        self._column = {name: i + 1 for i, name in enumerate(self.layer_names)}
+        found = {
+            rule: [rules.for_layer(rule, c) for c in (None, *layer_names)] for rule in SKIPPABLE
+        }
+        self.enabled = {rule: np.array([r.enabled for r in found[rule]]) for rule in SKIPPABLE}
+        self.actions = {rule: np.array([r.action for r in found[rule]]) for rule in SKIPPABLE}
+        self.explode_at = np.array([r.threshold for r in found["exploding"]], np.float64)
+        self.spike_z = [float(r.z) for r in found["spike"]]
+        self.spike_ratio = np.array([r.ratio for r in found["spike"]], np.float64)
 
-        def acts(rule: str) -> np.ndarray:
-            found = [rules.for_layer(rule, layer) for layer in columns]
-            return np.array([r.enabled and r.action == action for r in found])
+    def columns(self, layers: Sequence[str]) -> np.ndarray:
+        """The columns of the named layers."""
+        return np.fromiter((self._column[name] for name in layers), np.int64, len(layers))
 
-        self._nonfinite, self._spike, self._exploding = (acts(rule) for rule in SKIPPABLE)
-        self._explode_at = np.array(
-            [rules.for_layer("exploding", layer).threshold for layer in columns], np.float64
+    def nonfinite(
+        self,
+        cols: np.ndarray,
+        norms: np.ndarray,
+        nan: np.ndarray | None = None,
+        inf: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Of columns ``cols`` (their norms and, where counted, NaN/Inf counts), those whose
+        gradient holds NaN or Inf and whose nonfinite rule is on."""
+        return nonfinite_columns(norms, nan, inf) & self.enabled["nonfinite"][cols]
+
+    def exploding(self, norms: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Of columns ``cols`` (their ``norms``), those above their exploding threshold."""
+        return exploding_columns(norms, self.explode_at[cols], self.enabled["exploding"][cols])
+
+    def spiking(self, flagged: np.ndarray) -> np.ndarray:
+        """Of every column, those the every-step spike window flagged where the rule is on."""
+        return spiking_columns(flagged, self.enabled["spike"])
+
+    def acting(self, rule: str, action: str) -> np.ndarray:
+        """Per column, whether ``rule`` is on there with ``action``."""
+        return self.enabled[rule] & (self.actions[rule] == action)
+
+
+class StepRules:
+    """The per-step rules whose action is one of ``skip`` or ``raise``, judged on a step's
+    norms before its optimizer step (`PerStepRules` gives the columns)."""
+
+    def __init__(self, per_step: PerStepRules, action: str) -> None:
+        self.layer_names = per_step.layer_names
+        self.rules = per_step.alert_rules.with_action(action, SKIPPABLE)
+        self.per_step = per_step
+        self._nonfinite, self._spike, self._exploding = (
+            per_step.acting(rule, action) for rule in SKIPPABLE
         )
+        self._explode_at = per_step.explode_at
 
     def __bool__(self) -> bool:
         return bool(self.rules)
