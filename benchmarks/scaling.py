@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.alerts import AlertEvent
+from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import MemorySink
 

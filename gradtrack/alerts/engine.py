@@ -17,12 +17,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from gradtrack.alerts.book import Cooldowns, RuleBook
+from gradtrack.alerts.book import Cooldowns, RuleBook, Story, listed, sentence
 from gradtrack.alerts.flow import FlowCheck, JumpCheck, LayerKinds
 from gradtrack.alerts.learning_rate import LearningRateCheck, UpdateRatioCheck
 from gradtrack.alerts.magnitude import DeadCheck, ExplodingCheck, SpikeCheck, VanishingCheck
 from gradtrack.alerts.nonfinite import AmpCheck, BackwardOrder, NonFiniteCheck
-from gradtrack.alerts.wording import Story, listed, sentence
 from gradtrack.config.rules import AlertRules
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord

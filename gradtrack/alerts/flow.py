@@ -19,8 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gradtrack.alerts.book import Check, Cooldowns, RuleBook
-from gradtrack.alerts.wording import counted
+from gradtrack.alerts.book import Check, Cooldowns, RuleBook, counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.layout import SPARSE_KINDS

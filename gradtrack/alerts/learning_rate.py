@@ -9,7 +9,7 @@ gradient reaching the model output kept more than `OUTPUT_KEPT` of its own: the 
 sends gradient, the layers stop passing it on (a model that fits its data lowers both
 together). Where the output's gradient is not observed, as good as zero (`VANISHED`) beside
 a layer that kept its gradient. Either opens the `Incident` that later events of the same run
-point to (`Story`, in `gradtrack.alerts.wording`).
+point to (`Story`, in `gradtrack.alerts.book`).
 
 The ``update_ratio`` rule: with ``update_signals``, layers whose update/weight ratio
 ‖ΔW‖/‖W‖ says they learn far too fast or barely at all, for ``patience`` logged steps.
@@ -22,8 +22,7 @@ from collections import deque
 
 import numpy as np
 
-from gradtrack.alerts.book import Check, Cooldowns, RuleBook, Runs
-from gradtrack.alerts.wording import Incident, Story, counted, listed
+from gradtrack.alerts.book import Check, Cooldowns, Incident, RuleBook, Runs, Story, counted, listed
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 
@@ -211,7 +210,7 @@ class UpdateRatioCheck(Check):
         self, record: StepRecord, idx: np.ndarray, cause: Incident | None = None
     ) -> list[AlertEvent]:
         """Layers that learn far too fast or barely at all, for ``patience`` logged steps.
-        ``cause``: an open learning-rate incident (`gradtrack.alerts.wording`), which a slow
+        ``cause``: an open learning-rate incident (`gradtrack.alerts.book`), which a slow
         layer's advice must not contradict."""
         ratios = record.update_ratios()
         if ratios is None:

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gradtrack.alerts.book import Check, Cooldowns, RuleBook, Runs
-from gradtrack.alerts.wording import counted
+from gradtrack.alerts.book import Check, Cooldowns, RuleBook, Runs, counted
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.rules import PerStepRules

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gradtrack.alerts.book import Check, Cooldowns, RuleBook
-from gradtrack.alerts.wording import counted, listed
+from gradtrack.alerts.book import Check, Cooldowns, RuleBook, counted, listed
 from gradtrack.formats.event import AlertEvent, Stage
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.rules import PerStepRules
