@@ -15,7 +15,7 @@ from torch import nn
 
 
 def test_torch_foreach_ops_take_lists_and_keep_their_signatures() -> None:
-    """stats.py, updates.py, update_sample.py, origin.py: one batched kernel per list."""
+    """stats.py, updates.py, origin.py: one batched kernel per list."""
     grads = [torch.tensor([3.0, 4.0]), torch.tensor([-1.0, float("nan")])]
     l2 = torch._foreach_norm(grads, 2, dtype=torch.float64)
     assert l2[0].dtype == torch.float64 and float(l2[0]) == 5.0
@@ -33,14 +33,14 @@ def test_torch_foreach_ops_take_lists_and_keep_their_signatures() -> None:
 
 
 def test_torch_pytree_leaves() -> None:
-    from torch.utils._pytree import tree_leaves  # hooks.py, origin.py: tensors in any output
+    from torch.utils._pytree import tree_leaves  # origin.py: tensors in any output
 
     leaves = tree_leaves({"a": [torch.ones(1), (2, torch.zeros(1))], "b": None})
     assert [type(leaf) for leaf in leaves].count(torch.Tensor) == 2
 
 
 def test_torch_graph_task_id_and_queued_callbacks_end_a_backward() -> None:
-    """watcher.py: a step ends in a callback queued on the running backward (once per graph
+    """probes.py: a step ends in a callback queued on the running backward (once per graph
     task, told apart by its id); the callback runs after every gradient is accumulated."""
     assert torch._C._current_graph_task_id() == -1  # outside a backward
     layer = nn.Linear(3, 2)
@@ -63,7 +63,7 @@ def test_torch_graph_task_id_and_queued_callbacks_end_a_backward() -> None:
 
 
 def test_gradscaler_scale_and_per_optimizer_state() -> None:
-    """hooks.py `ScalerTap`: the scale as a device tensor (get_scale() would read it on the
+    """probes.py `ScalerTap`: the scale as a device tensor (get_scale() would read it on the
     host) and each optimizer's found-inf flags, without a sync."""
     layer = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
