@@ -15,7 +15,7 @@ from gradtrack.disabled import NullWatcher, WatcherLike
 from gradtrack.errors import GradtrackError
 from gradtrack.formats.event import AlertEvent
 from gradtrack.log import logger, show_in_terminal
-from gradtrack.sinks.build import Backend, build_sinks
+from gradtrack.sinks import Backend, build_sinks
 from gradtrack.watcher import Watcher, watcher_of
 
 

@@ -31,9 +31,13 @@ DEFAULT_OUT = Path("gradtrack-report")
 
 
 def read_run(spec: str, tracking_uri: str | None) -> RunData:
-    from gradtrack.report.mlflow_source import read_mlflow_run
-    from gradtrack.report.tensorboard_source import is_log_dir, read_tensorboard_dir
-    from gradtrack.report.wandb_source import read_wandb_api, read_wandb_offline
+    from gradtrack.report.sources import (
+        is_log_dir,
+        read_mlflow_run,
+        read_tensorboard_dir,
+        read_wandb_api,
+        read_wandb_offline,
+    )
 
     if spec.startswith("wandb:"):
         return read_wandb_api(spec[len("wandb:") :], progress=_progress)

@@ -67,9 +67,8 @@ def read_histograms(
         return {}
     with tempfile.TemporaryDirectory() as directory:
         local = download_artifacts(
-            run_id=run_id, artifact_path=folder, dst_path=directory,
-            tracking_uri=tracking_uri,
-        )  # fmt: skip
+            run_id=run_id, artifact_path=folder, dst_path=directory, tracking_uri=tracking_uri
+        )
         return read_chunks(Path(local).glob("hist-*.npz"))
 
 
@@ -122,3 +121,24 @@ def read_windows(
             )
             windows.append(read_window(Path(local).read_text(encoding="utf-8")))
     return windows
+
+
+def read_layer_order(run_id: str, tracking_uri: str | None = None) -> list[str]:
+    """The layer names, in depth order, an MLflow run's ``gradtrack/layers.json`` holds;
+    empty if it has none."""
+    require_module("mlflow", "mlflow")
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    client = MlflowClient(tracking_uri)
+    listed = {f.path for f in client.list_artifacts(run_id, "gradtrack")}
+    if LAYERS_FILE not in listed:
+        return []
+    with tempfile.TemporaryDirectory() as directory:
+        local = download_artifacts(
+            run_id=run_id,
+            artifact_path=LAYERS_FILE,
+            dst_path=directory,
+            tracking_uri=client.tracking_uri,
+        )
+        return list(json.loads(Path(local).read_text()))

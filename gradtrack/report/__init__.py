@@ -1,6 +1,6 @@
 """Cross-run gradient-flow comparison: read runs from any tracker, shape them, draw them.
 
-Readers (`mlflow_source`, `wandb_source`) produce `RunData`; `divergence` finds where two runs
+Readers (`sources`: MLflow, W&B, TensorBoard) produce `RunData`; `divergence` finds where two runs
 first part, `compare` ranks layers, `summary` says both in JSON and words; `plots` draws
 figures; `render` writes the self-contained report; `live` lets a sink draw its own run's.
 The `gradtrack` command ties them up.

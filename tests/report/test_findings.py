@@ -11,7 +11,7 @@ from torch import nn
 
 import gradtrack
 from gradtrack.report.data import parse_alert_text
-from gradtrack.report.mlflow_source import read_mlflow_run
+from gradtrack.report.sources import read_mlflow_run
 from gradtrack.report.summary import sentences, summarise, to_json
 from gradtrack.sinks import MemorySink
 
