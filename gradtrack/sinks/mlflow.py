@@ -45,7 +45,7 @@ from gradtrack.formats.mlflow import (
 )
 from gradtrack.formats.record import StepRecord
 from gradtrack.log import report
-from gradtrack.sinks.base import TrackerSink
+from gradtrack.sinks.base import RunBook, TrackerSink
 from gradtrack.sinks.flight_files import stage_window, window_series
 from gradtrack.sinks.mlflow_tracking import (
     MlflowRun,
@@ -54,7 +54,6 @@ from gradtrack.sinks.mlflow_tracking import (
     portable_uri,
     refusal_message,
 )
-from gradtrack.sinks.runbook import RunBook
 
 _MAX_TAG_CHARS = 5000
 # Request limits of MLflow's log-batch endpoint (mlflow/utils/validation.py).

@@ -38,8 +38,7 @@ from gradtrack.formats.tensorboard import (
     layers_text,
     raw_histogram,
 )
-from gradtrack.sinks.base import SinkBase
-from gradtrack.sinks.runbook import RunBook
+from gradtrack.sinks.base import RunBook, SinkBase
 
 # The writer threads of the SummaryWriters gradtrack made: a write error that ends one (a full
 # disk) is raised again in the sink's next write, flush or close, which reports it once; the

@@ -35,9 +35,8 @@ from gradtrack.formats.wandb import (
     step_line,
     steps_dir,
 )
-from gradtrack.sinks.base import SinkBase
+from gradtrack.sinks.base import RunBook, SinkBase
 from gradtrack.sinks.flight_files import stage_window
-from gradtrack.sinks.runbook import RunBook
 
 if TYPE_CHECKING:
     from wandb import Run
