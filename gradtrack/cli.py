@@ -24,8 +24,8 @@ from pathlib import Path
 
 from gradtrack import __version__
 from gradtrack.errors import GradtrackError
+from gradtrack.report.compare import DEFAULT_RTOL
 from gradtrack.report.data import RunData
-from gradtrack.report.divergence import DEFAULT_RTOL
 
 DEFAULT_OUT = Path("gradtrack-report")
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if rtol < 0:
         print("gradtrack: --rtol must be >= 0", file=sys.stderr)
         return 2
-    from gradtrack.report.summary import summarise, terminal_summary, to_json
+    from gradtrack.report.compare import summarise, terminal_summary, to_json
 
     try:
         runs = [read_run(spec, args.tracking_uri) for spec in args.runs]

@@ -16,7 +16,7 @@ import numpy as np
 from gradtrack.errors import GradtrackError
 from gradtrack.formats.flight import FlightWindow
 from gradtrack.formats.histogram import Histogram
-from gradtrack.formats.keys import LAYER_KEY_PREFIX, NONFINITE_KEY_PREFIX, TOTAL_NORM_KEY
+from gradtrack.formats.metrics import LAYER_KEY_PREFIX, NONFINITE_KEY_PREFIX, TOTAL_NORM_KEY
 
 LAYER_FAMILIES = tuple(LAYER_KEY_PREFIX.values())  # grad_norm, grad_max, grad_mean_abs, grad_rms
 NONFINITE_FAMILIES = tuple(NONFINITE_KEY_PREFIX.values())  # grad_nan, grad_inf (non-zero only)
