@@ -73,9 +73,14 @@ def watch(
             f"{type(backend).__name__}: did you mean gradtrack.watch(model, optimizer=optimizer)?"
         )
     return open_watcher(
-        model, lambda: backend, resolved,
-        optimizer=optimizer, scaler=scaler, on_alert=on_alert, steps=steps,
-    )  # fmt: skip
+        model,
+        lambda: backend,
+        resolved,
+        optimizer=optimizer,
+        scaler=scaler,
+        on_alert=on_alert,
+        steps=steps,
+    )
 
 
 def open_watcher(
@@ -102,9 +107,12 @@ def open_watcher(
         missing = watcher.judge.signals.missing
         logger.info(
             "watching %d layers of %s, every %d steps, into %s%s",
-            len(watcher.layer_names), type(unwrap_model(model)).__name__, config.log_every,
-            ", ".join(type(sink).__name__ for sink in sinks), f" ({missing})" if missing else "",
-        )  # fmt: skip
+            len(watcher.layer_names),
+            type(unwrap_model(model)).__name__,
+            config.log_every,
+            ", ".join(type(sink).__name__ for sink in sinks),
+            f" ({missing})" if missing else "",
+        )
     return watcher
 
 

@@ -128,9 +128,10 @@ class TensorboardOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     log_dir: str | None = Field(
-        None, description="Folder of the event files; default runs/<date>_<host>, as "
+        None,
+        description="Folder of the event files; default runs/<date>_<host>, as "
         "SummaryWriter's own default.",
-    )  # fmt: skip
+    )
     pictures: bool = Field(
         True,
         description="At close, draw the run's gradient-flow pictures and write them as "
@@ -177,10 +178,12 @@ class NoiseScaleOptions(BaseModel):
         "input at each forward pass.",
     )
     ema: float = Field(
-        0.99, gt=0.0, lt=1.0,
+        0.99,
+        gt=0.0,
+        lt=1.0,
         description="EMA decay per logged step of |G|^2 and tr(Sigma) (their ratio is the "
         "estimate: one step's is too noisy, and biased).",
-    )  # fmt: skip
+    )
     per_layer: bool = Field(
         False, description="Also each layer's, as grad_noise_scale/<layer> (noisier still)."
     )

@@ -16,9 +16,19 @@ from gradtrack.formats.record import ABS_STATS, StepRecord
 TOTAL_NORM_KEY = "grad/total_norm"
 # Every family a step's metrics use (the first key segment: a W&B panel section).
 FAMILIES = (
-    "grad", "grad_norm", "grad_max", "grad_mean_abs", "grad_rms", "grad_nan", "grad_inf",
-    "act_grad_norm", "param_norm", "update_norm", "update_ratio", "grad_noise_scale",
-)  # fmt: skip
+    "grad",
+    "grad_norm",
+    "grad_max",
+    "grad_mean_abs",
+    "grad_rms",
+    "grad_nan",
+    "grad_inf",
+    "act_grad_norm",
+    "param_norm",
+    "update_norm",
+    "update_ratio",
+    "grad_noise_scale",
+)
 # Metric family per statistic; NaN/Inf families appear only where the count is non-zero.
 LAYER_KEY_PREFIX = {
     "norm": "grad_norm",

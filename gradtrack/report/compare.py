@@ -130,9 +130,16 @@ def first_divergence(a: RunData, b: RunData, rtol: float = DEFAULT_RTOL) -> Dive
     if layer_hit is not None:
         layer_row, ranked, family, values, kind, gap = layer_hit
         return Divergence(
-            step, until, ranked[0], int(common[layer_row]), tuple(ranked), family, values,
-            KINDS[3 - kind], gap,
-        )  # fmt: skip
+            step,
+            until,
+            ranked[0],
+            int(common[layer_row]),
+            tuple(ranked),
+            family,
+            values,
+            KINDS[3 - kind],
+            gap,
+        )
     assert total is not None
     va, vb = float(a.total_norm[rows_a[total]]), float(b.total_norm[rows_b[total]])
     kind = int(kind_of(np.array(va), np.array(vb)))

@@ -177,12 +177,21 @@ def from_series(
         column, present = _column(series.get(key, ()), index)
         total_nonfinite += np.where(present, column, 0.0)
     return RunData(
-        name=name, source=source, steps=np.array(steps, dtype=np.int64), layers=layers,
-        stats=stats, total_norm=total, histograms=histograms or {}, alerts=alerts or [],
-        layer_steps=np.array(sorted(layer_logged), dtype=np.int64), logged=logged,
-        nonfinite_counts=counts, total_nonfinite=total_nonfinite, total_logged=total_logged,
+        name=name,
+        source=source,
+        steps=np.array(steps, dtype=np.int64),
+        layers=layers,
+        stats=stats,
+        total_norm=total,
+        histograms=histograms or {},
+        alerts=alerts or [],
+        layer_steps=np.array(sorted(layer_logged), dtype=np.int64),
+        logged=logged,
+        nonfinite_counts=counts,
+        total_nonfinite=total_nonfinite,
+        total_logged=total_logged,
         run_id=run_id,
-    )  # fmt: skip
+    )
 
 
 def _table(

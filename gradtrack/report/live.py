@@ -102,13 +102,21 @@ class FlowHistory:
             for layer, histogram in by_layer.items():
                 histograms.setdefault(layer, []).append((step, histogram))
         return RunData(
-            name=name, source=source, steps=np.array(steps, dtype=np.int64), layers=layers,
-            stats={"grad_norm": norms}, total_norm=total, histograms=histograms,
+            name=name,
+            source=source,
+            steps=np.array(steps, dtype=np.int64),
+            layers=layers,
+            stats={"grad_norm": norms},
+            total_norm=total,
+            histograms=histograms,
             alerts=list(self._alerts),
             layer_steps=np.array(sorted(c[0] for c in self._columns), dtype=np.int64),
-            logged={"grad_norm": logged}, nonfinite_counts=counts,
-            total_nonfinite=total_nonfinite, total_logged=total_logged, run_id=run_id,
-        )  # fmt: skip
+            logged={"grad_norm": logged},
+            nonfinite_counts=counts,
+            total_nonfinite=total_nonfinite,
+            total_logged=total_logged,
+            run_id=run_id,
+        )
 
 
 def _thin(entries: list[T], bound: int, keep: Callable[[T], bool]) -> list[T]:
@@ -164,8 +172,9 @@ class Pictures:
             try:  # on the worker thread: a warning turned into an error must not stop it
                 warnings.warn(
                     f"gradtrack could not draw the run's gradient-flow pictures: {exc!r}",
-                    RuntimeWarning, stacklevel=2,
-                )  # fmt: skip
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             except Exception:
                 pass
             return []
