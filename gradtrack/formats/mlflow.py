@@ -1,6 +1,6 @@
 """gradtrack's files and tags in an MLflow run, and the readers that load them back.
 
-Histograms are chunk files (`gradtrack.formats.histogram_store`) under
+Histograms are chunk files (`gradtrack.formats.histogram`) under
 ``gradtrack/histograms``, alert events one JSON line each in ``gradtrack/alerts.jsonl``, the
 layer order a JSON list in ``gradtrack/layers.json``; tags are ``gradtrack.<name>``.
 """
@@ -12,11 +12,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradtrack.extras import require_module
+from gradtrack.errors import require_module
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow, is_window, read_window
-from gradtrack.formats.histogram_store import read_chunks
-from gradtrack.formats.keys import safe_key
+from gradtrack.formats.histogram import read_chunks
+from gradtrack.formats.metrics import safe_key
 
 HISTOGRAM_DIR = "gradtrack/histograms"
 ALERTS_DIR = "gradtrack"

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gradtrack.extras import require_module
+from gradtrack.errors import require_module
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.wandb import HIST_FAMILY, PICTURES_FAMILY

@@ -27,8 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from gradtrack.errors import GradtrackError
-from gradtrack.extras import require_module
+from gradtrack.errors import GradtrackError, require_module
 from gradtrack.formats.histogram import Histogram
 
 HIST_FAMILY = "grad_hist"

@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from gradtrack.errors import GradtrackError
-from gradtrack.extras import require_module
+from gradtrack.errors import GradtrackError, require_module
 from gradtrack.formats.flight import is_window, read_windows_dir
 from gradtrack.formats.histogram import Histogram
-from gradtrack.formats.keys import FAMILIES
+from gradtrack.formats.metrics import FAMILIES
 from gradtrack.formats.mlflow import read_alerts, read_histograms, read_layer_order, read_windows
 from gradtrack.formats.tensorboard import (
     ALERTS_TAG,

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from gradtrack.config import GradtrackConfig
-from gradtrack.extras import require_module
-from gradtrack.formats.atomic import write_atomic
+from gradtrack.errors import require_module
+from gradtrack.formats import write_atomic
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
-from gradtrack.formats.histogram_store import write_chunk
-from gradtrack.formats.keys import metric_key
-from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.histogram import write_chunk
+from gradtrack.formats.metrics import metric_key, scalar_metrics, window_series
 from gradtrack.formats.mlflow import (
     ALERTS_DIR,
     ALERTS_FILE,
@@ -46,7 +45,6 @@ from gradtrack.formats.mlflow import (
 from gradtrack.formats.record import StepRecord
 from gradtrack.log import report
 from gradtrack.sinks.base import RunBook, TrackerSink
-from gradtrack.sinks.flight_files import stage_window, window_series
 from gradtrack.sinks.mlflow_tracking import (
     MlflowRun,
     PermanentError,
@@ -324,6 +322,8 @@ class MlflowSink(TrackerSink):
     def _flight(self, window: FlightWindow, timestamp: int, uploads: list[Upload]) -> list[Metric]:
         """The window's file and picture as artifacts; its steps as series unless too many
         values for MLflow's rows (``flight.series_max_values``)."""
+        from gradtrack.report.live import stage_window
+
         folder = artifact_path(FLIGHT_DIR.as_posix(), self._model)
         staged = stage_window(window, self._staging / "flight", self.options.run_name or "")
         uploads.extend(Upload(path, folder) for path in staged)

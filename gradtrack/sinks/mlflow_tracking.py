@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 from gradtrack import lifecycle
 from gradtrack.config import MlflowOptions
-from gradtrack.config.redact import redact
+from gradtrack.config.models import redact
 from gradtrack.log import logger, report
 
 

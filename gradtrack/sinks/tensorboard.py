@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from gradtrack.config import GradtrackConfig
-from gradtrack.errors import GradtrackError
-from gradtrack.extras import require_module
+from gradtrack.errors import GradtrackError, require_module
 from gradtrack.formats.event import AlertEvent
-from gradtrack.formats.keys import metric_key
-from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.metrics import metric_key, scalar_metrics
 from gradtrack.formats.record import StepRecord
 from gradtrack.formats.tensorboard import (
     ALERTS_TAG,

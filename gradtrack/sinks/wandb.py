@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from gradtrack.config import GradtrackConfig, redacted_config
-from gradtrack.errors import GradtrackError
-from gradtrack.extras import require_module
+from gradtrack.errors import GradtrackError, require_module
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
-from gradtrack.formats.keys import FAMILIES, metric_key
-from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.metrics import FAMILIES, metric_key, scalar_metrics
 from gradtrack.formats.record import StepRecord
 from gradtrack.formats.wandb import (
     HIST_FAMILY,
@@ -36,7 +34,6 @@ from gradtrack.formats.wandb import (
     steps_dir,
 )
 from gradtrack.sinks.base import RunBook, SinkBase
-from gradtrack.sinks.flight_files import stage_window
 
 if TYPE_CHECKING:
     from wandb import Run
@@ -116,6 +113,8 @@ class WandbSink(SinkBase):
         """A flight recorder's window: its file among the run's files (W&B's history takes
         no step before the last one logged), its picture in the run summary."""
         import wandb
+
+        from gradtrack.report.live import stage_window
 
         root = Path(run.dir)
         model = self.config.model_name
