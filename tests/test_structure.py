@@ -120,12 +120,14 @@ def test_no_module_imports_one_above_it(layer: str) -> None:
 
 
 def test_import_gradtrack_loads_only_what_watch_needs() -> None:
-    """The report, the framework callbacks, the command line and the trackers' SDKs load on
-    first use (in a fresh interpreter: this session's imports do not count)."""
+    """The report, the framework callbacks, the command line, the trackers' sinks and their
+    SDKs load on first use (in a fresh interpreter: this session's imports do not count); a
+    watch into MLflow loads MLflow's sink and not the others."""
     import subprocess
     import sys
 
     lazy = ("gradtrack.report", "gradtrack.integrations", "gradtrack.cli")
+    lazy += ("gradtrack.sinks.mlflow", "gradtrack.sinks.wandb", "gradtrack.sinks.tensorboard")
     sdks = ("wandb", "mlflow", "tensorboard", "tensorboardX", "matplotlib")
     probe = (
         "import sys, gradtrack; gradtrack.watch, gradtrack.unwatch; "
@@ -135,6 +137,14 @@ def test_import_gradtrack_loads_only_what_watch_needs() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     ).stdout
     assert loaded.strip() == "[]"
+    probe = (
+        "import sys; from gradtrack.sinks import MlflowSink; "
+        "print(sorted(m for m in sys.modules if m.startswith('gradtrack.sinks.')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert "gradtrack.sinks.mlflow" in loaded and "gradtrack.sinks.wandb" not in loaded
 
 
 def test_only_the_command_line_imports_the_package_root() -> None:

@@ -1,10 +1,16 @@
 """Built-in sinks, the registry that maps ``backend=`` names to them, and the sinks a watcher
-gets from what ``backend=`` names: registered names, `GradientSink` objects, or a list."""
+gets from what ``backend=`` names: registered names, `GradientSink` objects, or a list.
+
+The trackers' sinks (`MlflowSink`, `WandbSink`, `TensorboardSink`) are imported on first use:
+``import gradtrack`` loads none of their modules, and a watch loads only the one it names.
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
@@ -20,18 +26,47 @@ from gradtrack.sinks.base import (
 )
 from gradtrack.sinks.console import ConsoleSink
 from gradtrack.sinks.memory import MemorySink
-from gradtrack.sinks.mlflow import MlflowSink
-from gradtrack.sinks.tensorboard import TensorboardSink, is_summary_writer
-from gradtrack.sinks.wandb import WandbSink
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
+    from gradtrack.sinks.mlflow import MlflowSink
+    from gradtrack.sinks.tensorboard import TensorboardSink
+    from gradtrack.sinks.wandb import WandbSink
+
+# The trackers' sinks, by the name they are exported as: (module, class).
+_TRACKERS = {
+    "MlflowSink": ("gradtrack.sinks.mlflow", "MlflowSink"),
+    "WandbSink": ("gradtrack.sinks.wandb", "WandbSink"),
+    "TensorboardSink": ("gradtrack.sinks.tensorboard", "TensorboardSink"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """`MlflowSink`, `WandbSink` and `TensorboardSink`, imported when first asked for."""
+    if name not in _TRACKERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _TRACKERS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _tracker(name: str) -> Any:
+    """The factory of a tracker's sink, importing its module when a watch names it."""
+    return lambda config: __getattr__(name)(config)
+
+
+def is_summary_writer(backend: object) -> bool:
+    """A torch or tensorboardX ``SummaryWriter`` (its module is imported if one was made)."""
+    modules = ("torch.utils.tensorboard.writer", "tensorboardX.writer")
+    types = [sys.modules[name].SummaryWriter for name in modules if sys.modules.get(name)]
+    return any(isinstance(backend, cls) for cls in types)
+
+
 register_sink("console", lambda config: ConsoleSink(interval_s=config.console.interval_s))
 register_sink("memory", lambda config: MemorySink())
-register_sink("wandb", WandbSink)
-register_sink("mlflow", MlflowSink)
-register_sink("tensorboard", TensorboardSink)
+register_sink("wandb", _tracker("WandbSink"))
+register_sink("mlflow", _tracker("MlflowSink"))
+register_sink("tensorboard", _tracker("TensorboardSink"))
 
 # A registered name, a sink, or a TensorBoard ``SummaryWriter`` (written through as it is).
 Backend = Union[str, GradientSink, "SummaryWriter"]
@@ -48,7 +83,7 @@ def build_sinks(
         if isinstance(item, str):
             sinks.append(create_sink(item, config))
         elif is_summary_writer(item):
-            sinks.append(TensorboardSink(config, writer=item))
+            sinks.append(__getattr__("TensorboardSink")(config, writer=item))
         elif isinstance(item, GradientSink):
             sinks.append(item)
         else:

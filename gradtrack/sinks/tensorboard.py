@@ -13,7 +13,6 @@ first step is written; a ``SummaryWriter`` given is used as it is and left open 
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import threading
 import weakref
@@ -56,13 +55,6 @@ def _excepthook(args: threading.ExceptHookArgs) -> None:
     if args.thread in _WRITER_THREADS and isinstance(args.exc_value, OSError):
         return  # told by the sink, as a fault of gradtrack's delivery
     _previous_hook(args)
-
-
-def is_summary_writer(backend: object) -> bool:
-    """A torch or tensorboardX ``SummaryWriter`` (its module is imported if one was made)."""
-    modules = ("torch.utils.tensorboard.writer", "tensorboardX.writer")
-    types = [sys.modules[name].SummaryWriter for name in modules if sys.modules.get(name)]
-    return any(isinstance(backend, cls) for cls in types)
 
 
 class TensorboardSink(SinkBase):
