@@ -22,7 +22,7 @@ from typing import Any
 from gradtrack.delivery.spool import Item, Spool
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.drops import DropCount
+from gradtrack.handoff.mailbox import DropCount
 from gradtrack.log import report
 from gradtrack.sinks.base import GradientSink, TrackerSink, as_sink_base
 

@@ -17,7 +17,6 @@ from gradtrack.config import GradtrackConfig
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram, bin_samples
 from gradtrack.formats.record import STAT_COLUMNS, StepRecord, summarise_layers
-from gradtrack.handoff.drops import DropCount
 from gradtrack.handoff.evidence import HostEvidence
 from gradtrack.handoff.layout import (
     L1,
@@ -31,7 +30,7 @@ from gradtrack.handoff.layout import (
     latched_step,
     spike_fields,
 )
-from gradtrack.handoff.pending import PendingStep, UpdateFollowUp, UpdateRows
+from gradtrack.handoff.mailbox import DropCount, PendingStep, UpdateFollowUp, UpdateRows
 from gradtrack.log import report
 from gradtrack.worker.flight_log import FlightLog
 from gradtrack.worker.layer_sums import layer_update_norms, rank_layer_norms

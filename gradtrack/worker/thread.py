@@ -19,9 +19,7 @@ from gradtrack.delivery.progress import wait_while_progressing
 from gradtrack.delivery.spool import Spool, SpoolError, default_root
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.drops import DropCount
-from gradtrack.handoff.mailbox import Control, Mailbox, QueuedStep
-from gradtrack.handoff.pending import UpdateFollowUp
+from gradtrack.handoff.mailbox import Control, DropCount, Mailbox, QueuedStep, UpdateFollowUp
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import report
 from gradtrack.sinks.base import GradientSink, TrackerSink
