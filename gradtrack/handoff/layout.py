@@ -1,4 +1,5 @@
-"""The layout both threads agree on: the watched tensors (`TensorIndex`), the columns of
+"""The layout both threads agree on: the watched tensors (`TensorIndex`, which also sums
+per-tensor norms into its layers), the columns of
 the per-tensor statistics, a device's host copy of one step (`HostPart`), and how the rows
 the training thread packs on the device — a latched bad step, a spike vector — read on the
 host.
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradtrack.formats.record import root_sum_squares
 from gradtrack.handoff.evidence import EvidenceLayout, HostEvidence
 
 # Columns of the per-tensor array computed on the device.
@@ -33,6 +35,25 @@ class TensorIndex:
     @property
     def n_tensors(self) -> int:
         return len(self.tensor_layer)
+
+    def rank_layer_norms(self, local_norms: np.ndarray) -> np.ndarray:
+        """[ranks, tensors] local tensor norms → [ranks, layers] local layer norms."""
+        n = len(self.layer_names)
+        squares = [np.bincount(self.tensor_layer, row * row, minlength=n) for row in local_norms]
+        return np.sqrt(np.stack(squares))
+
+    def layer_update_norms(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per layer (every layer): ‖W‖ and ‖ΔW‖ from the per-tensor rows of `UpdateProbe.after`.
+
+        >>> index = TensorIndex(("fc",), np.array([0, 0]), np.array([4, 4]))
+        >>> index.layer_update_norms(np.array([[3.0, 0.3], [4.0, 0.4]]))
+        (array([5.]), array([0.5]))
+        """
+        n_layers = len(self.layer_names)
+        return (
+            root_sum_squares(rows[:, 0], self.tensor_layer, n_layers),
+            root_sum_squares(rows[:, 1], self.tensor_layer, n_layers),
+        )
 
 
 @dataclass

@@ -33,7 +33,6 @@ from gradtrack.handoff.layout import (
 from gradtrack.handoff.mailbox import DropCount, PendingStep, UpdateFollowUp, UpdateRows
 from gradtrack.log import report
 from gradtrack.worker.flight_log import FlightLog
-from gradtrack.worker.layer_sums import layer_update_norms, rank_layer_norms
 from gradtrack.worker.noise_scale import StepNoise
 
 T = TypeVar("T")
@@ -241,8 +240,7 @@ class Assembler:
             buffer, ready = update
             if ready is not None:
                 ready.synchronize()
-            n_layers = len(self._index.layer_names)
-            params, updates = layer_update_norms(buffer.numpy(), self._index.tensor_layer, n_layers)
+            params, updates = self._index.layer_update_norms(buffer.numpy())
             rows = [self._layer_position[name] for name in layers]
             return {"param_norms": params[rows], "update_norms": updates[rows]}
 
@@ -271,7 +269,7 @@ class Assembler:
         bad = ~np.isfinite(per_tensor).all(axis=1)
         fields: dict[str, Any] = {"nonfinite_ranks": tuple(np.flatnonzero(bad).tolist())}
         if self._gather_ranks:
-            per_layer = rank_layer_norms(per_tensor, index.tensor_layer, len(index.layer_names))
+            per_layer = index.rank_layer_norms(per_tensor)
             position = self._layer_position
             fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
         return fields

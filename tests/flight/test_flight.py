@@ -17,8 +17,7 @@ from gradtrack.delivery.codec import decode, encode
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.flight import FlightWindow, read_window, window_text
 from gradtrack.sinks import MemorySink
-from gradtrack.worker.first_mover import first_mover
-from gradtrack.worker.flight_log import FlightLog
+from gradtrack.worker.flight_log import FlightLog, first_mover
 from tests.test_no_sync import OpRecorder
 
 
