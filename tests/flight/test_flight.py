@@ -13,7 +13,7 @@ from torch import nn
 
 import gradtrack
 from gradtrack.capture.flight_ring import FlightRecorder
-from gradtrack.delivery.codec import decode, encode
+from gradtrack.delivery.spool import decode, encode
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.flight import FlightWindow, read_window, window_text
 from gradtrack.sinks import MemorySink
