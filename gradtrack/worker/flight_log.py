@@ -169,10 +169,16 @@ class FlightLog:
         if window.message:
             report(f"gradtrack: training ended ({outcome}) at step {step}; {window.message}")
         return StepRecord(
-            step=step, wall_time=wall_time, layers=(), stats=np.zeros((0, TENSOR_COLUMNS + 2)),
-            total_norm=float("nan"), layer_detail="none", counted=False, flight=window,
+            step=step,
+            wall_time=wall_time,
+            layers=(),
+            stats=np.zeros((0, TENSOR_COLUMNS + 2)),
+            total_norm=float("nan"),
+            layer_detail="none",
+            counted=False,
+            flight=window,
             window_only=True,
-        )  # fmt: skip
+        )
 
     def annotate(
         self, records: list[StepRecord], events: list[AlertEvent]
@@ -248,7 +254,9 @@ class FlightLog:
             what = "training ended" + (" (interrupted)" if incident == "KILLED" else "")
         layer = self.layers[move.layer]
         return replace(
-            window, first_mover=layer, first_mover_step=move.step,
+            window,
+            first_mover=layer,
+            first_mover_step=move.step,
             first_mover_direction=move.direction,
             message=first_mover_sentence(layer, move.step, move.direction, what, step),
-        )  # fmt: skip
+        )

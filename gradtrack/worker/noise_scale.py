@@ -89,9 +89,13 @@ class StepNoise:
         self.why_none: str | None = None  # said once
 
     def fields(
-        self, layers: tuple[str, ...], layer_norms: np.ndarray, total_norm: float,
-        evidence: HostEvidence, batch: tuple[int, int],
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        layers: tuple[str, ...],
+        layer_norms: np.ndarray,
+        total_norm: float,
+        evidence: HostEvidence,
+        batch: tuple[int, int],
+    ) -> dict[str, Any]:
         """``batch``: the step's examples counted (0: not counted) and backward passes."""
         if not self.options.enabled:
             return {}
