@@ -20,13 +20,13 @@ from gradtrack.config import GradtrackConfig
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram, bin_samples
 from gradtrack.formats.record import STAT_COLUMNS, StepRecord, summarise_layers
-from gradtrack.handoff.evidence import HostEvidence
 from gradtrack.handoff.layout import (
     L1,
     L2,
     LINF,
     TENSOR_COLUMNS,
     FirstInWindow,
+    HostEvidence,
     HostPart,
     MeshPlaces,
     TensorIndex,

@@ -27,8 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gradtrack.config import NoiseScaleOptions
-from gradtrack.handoff.evidence import HostEvidence
-from gradtrack.handoff.layout import TensorIndex
+from gradtrack.handoff.layout import HostEvidence, TensorIndex
 from gradtrack.log import logger
 
 
