@@ -1,6 +1,6 @@
 """The worker thread: takes batches of steps from the mailbox, builds their records and alerts
 (`gradtrack.worker.assemble`), does what each alert asks (`AlertActions`), answers a judged
-step's `Reply`, and hands records and alerts to delivery (`gradtrack.delivery.outbox`).
+step's `Reply`, and hands records and alerts to delivery's `Outbox` (`gradtrack.delivery.courier`).
 
 Between the training thread and the worker sits a bounded mailbox (`gradtrack.handoff.mailbox`);
 after it, each sink has a courier thread of its own (`gradtrack.delivery.courier`), so neither the
@@ -18,8 +18,7 @@ from typing import Literal
 
 from gradtrack.alerts import AlertEngine
 from gradtrack.config import GradtrackConfig
-from gradtrack.delivery.courier import yield_cpu_to_training
-from gradtrack.delivery.outbox import Outbox
+from gradtrack.delivery.courier import Outbox, yield_cpu_to_training
 from gradtrack.errors import GradientWarning
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
