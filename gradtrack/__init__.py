@@ -10,10 +10,9 @@
 
 from __future__ import annotations
 
-from gradtrack.api import unwatch, watch
+from gradtrack.api import WatcherLike, unwatch, watch
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import AlertRules
-from gradtrack.disabled import WatcherLike
 from gradtrack.errors import (
     GradientAlertError,
     GradientWarning,

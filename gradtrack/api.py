@@ -1,22 +1,34 @@
-"""`watch` and `unwatch`: the one-line entry points, and opening a watcher on chosen sinks."""
+"""`watch` and `unwatch`: the one-line entry points, opening a watcher on chosen sinks, and
+what `watch` returns: a `WatcherLike` (what a script may use of a watcher), the `Watcher`, or
+`NullWatcher` when gradtrack is switched off.
+
+``GRADTRACK_DISABLED=1`` (or ``enabled=False``) lets a script keep its ``watch`` line in
+production: the model gets no hook, no sink is made, no thread starts, nothing is written.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
 from gradtrack.capture.distributed import writes_to_sinks
 from gradtrack.capture.layers import unwrap_model
 from gradtrack.capture.probes import StepSource
 from gradtrack.config import ConfigSource, GradtrackConfig, load_config
-from gradtrack.disabled import NullWatcher, WatcherLike
 from gradtrack.errors import GradtrackError
 from gradtrack.formats.event import AlertEvent
+from gradtrack.lifecycle import Outcome, outcome_of
 from gradtrack.log import logger, show_in_terminal
-from gradtrack.sinks.build import Backend, build_sinks
+from gradtrack.sinks import Backend, build_sinks
+from gradtrack.sinks.base import GradientSink
 from gradtrack.watcher import Watcher, watcher_of
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 def watch(
@@ -46,7 +58,7 @@ def watch(
     only the backward passes for which it returns True end a step.
 
     Returns a `Watcher`; switched off (``enabled=False``, ``GRADTRACK_DISABLED=1``), a
-    `gradtrack.disabled.NullWatcher` that does nothing. Both are a `WatcherLike`.
+    `NullWatcher` that does nothing. Both are a `WatcherLike`.
 
     >>> model = torch.nn.Linear(3, 1)
     >>> watcher = watch(model, backend="memory", log_every=50)
@@ -61,9 +73,14 @@ def watch(
             f"{type(backend).__name__}: did you mean gradtrack.watch(model, optimizer=optimizer)?"
         )
     return open_watcher(
-        model, lambda: backend, resolved,
-        optimizer=optimizer, scaler=scaler, on_alert=on_alert, steps=steps,
-    )  # fmt: skip
+        model,
+        lambda: backend,
+        resolved,
+        optimizer=optimizer,
+        scaler=scaler,
+        on_alert=on_alert,
+        steps=steps,
+    )
 
 
 def open_watcher(
@@ -90,9 +107,12 @@ def open_watcher(
         missing = watcher.judge.signals.missing
         logger.info(
             "watching %d layers of %s, every %d steps, into %s%s",
-            len(watcher.layer_names), type(unwrap_model(model)).__name__, config.log_every,
-            ", ".join(type(sink).__name__ for sink in sinks), f" ({missing})" if missing else "",
-        )  # fmt: skip
+            len(watcher.layer_names),
+            type(unwrap_model(model)).__name__,
+            config.log_every,
+            ", ".join(type(sink).__name__ for sink in sinks),
+            f" ({missing})" if missing else "",
+        )
     return watcher
 
 
@@ -106,3 +126,111 @@ def unwatch(model: torch.nn.Module) -> None:
     watcher = watcher_of(model)
     if watcher is not None:
         watcher.close()
+
+
+class WatcherLike(Protocol):
+    """The public surface of what `gradtrack.watch` returns: a `gradtrack.Watcher`, or a
+    `NullWatcher` when gradtrack is switched off. Both implement every member (mypy checks
+    both; tests/test_off_switch.py that this is every public member of `Watcher`)."""
+
+    config: GradtrackConfig
+    closed: bool
+    step: int
+    guard_reads_host: bool | None
+
+    @property
+    def layer_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def sinks(self) -> list[GradientSink]: ...
+
+    @property
+    def dropped_steps(self) -> int: ...
+
+    @property
+    def host_transfers(self) -> int: ...
+
+    @property
+    def sink_errors(self) -> dict[str, int]: ...
+
+    def end_step(self) -> None: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+
+    def close(self, outcome: Outcome = "FINISHED") -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+
+
+class NullWatcher:
+    """A watcher that watches nothing: every member of `WatcherLike` works and does nothing.
+    It keeps no reference to the model and touches nothing of it.
+
+    >>> import torch
+    >>> watcher = NullWatcher(torch.nn.Linear(2, 1), GradtrackConfig(enabled=False))
+    >>> watcher.layer_names, watcher.sinks, watcher.flush()
+    ((), [], True)
+    >>> watcher.close(); watcher
+    <gradtrack.Watcher off (enabled=False), closed>
+    """
+
+    def __init__(self, model: nn.Module, config: GradtrackConfig) -> None:
+        self.config = config
+        self.closed = False
+        self.step = 0  # counts `end_step` calls, as a real watcher's steps would
+        self.guard_reads_host: bool | None = None
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def sinks(self) -> list[GradientSink]:
+        return []
+
+    @property
+    def dropped_steps(self) -> int:
+        return 0
+
+    @property
+    def host_transfers(self) -> int:
+        return 0
+
+    @property
+    def sink_errors(self) -> dict[str, int]:
+        return {}
+
+    def end_step(self) -> None:
+        if not self.closed:
+            self.step += 1
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    def close(self, outcome: Outcome = "FINISHED") -> None:
+        self.closed = True
+
+    def __enter__(self) -> NullWatcher:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close(outcome_of(exc_type))
+
+    def __repr__(self) -> str:
+        return f"<gradtrack.Watcher off (enabled=False){', closed' if self.closed else ''}>"
+
+
+if TYPE_CHECKING:  # mypy holds the null watcher to the protocol
+    _null: type[WatcherLike] = NullWatcher

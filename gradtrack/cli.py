@@ -24,16 +24,20 @@ from pathlib import Path
 
 from gradtrack import __version__
 from gradtrack.errors import GradtrackError
+from gradtrack.report.compare import DEFAULT_RTOL
 from gradtrack.report.data import RunData
-from gradtrack.report.divergence import DEFAULT_RTOL
 
 DEFAULT_OUT = Path("gradtrack-report")
 
 
 def read_run(spec: str, tracking_uri: str | None) -> RunData:
-    from gradtrack.report.mlflow_source import read_mlflow_run
-    from gradtrack.report.tensorboard_source import is_log_dir, read_tensorboard_dir
-    from gradtrack.report.wandb_source import read_wandb_api, read_wandb_offline
+    from gradtrack.report.sources import (
+        is_log_dir,
+        read_mlflow_run,
+        read_tensorboard_dir,
+        read_wandb_api,
+        read_wandb_offline,
+    )
 
     if spec.startswith("wandb:"):
         return read_wandb_api(spec[len("wandb:") :], progress=_progress)
@@ -98,52 +102,79 @@ def _parser() -> argparse.ArgumentParser:
     ):
         command = commands.add_parser(name, help=help_)
         command.add_argument("runs", nargs=nargs, metavar="RUN")
-        command.add_argument(
-            "--tracking-uri",
-            help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, then MLflow's)",
-        )
-        command.add_argument(
-            "--out", type=Path, default=None,
-            help=f"folder for report.html and its PNGs (default: {DEFAULT_OUT}; with --json "
-            "the report is written only when --out is given)",
-        )  # fmt: skip
-        command.add_argument(
-            "--layer", "--layers", dest="layers", action="append", metavar="LAYER",
-            help="a layer whose histograms to draw (repeat for more; default: first, middle "
-            "and last); an unknown name is an error",
-        )  # fmt: skip
-        command.add_argument(
-            "--json", action="store_true",
-            help="print the summary (runs, first divergence per pair, ranking) as JSON",
-        )  # fmt: skip
-        command.add_argument(
-            "--rtol", type=float, default=None,
-            help=f"relative tolerance at which statistics differ (default {DEFAULT_RTOL}; "
-            "0 with --parity)",
-        )  # fmt: skip
-        command.add_argument(
-            "--parity", action="store_true",
-            help="the runs should be identical: exact comparison (unless --rtol), exit 1 if "
-            "any two part",
-        )  # fmt: skip
+        _report_options(command)
     sync = commands.add_parser(
-        "sync", help="deliver what runs left in their spools",
+        "sync",
+        help="deliver what runs left in their spools",
         description="Deliver to their trackers the steps and alerts that runs left in their "
         "spools (a tracker away at close, a killed process), each once, then delete the "
         "spools. A line every few seconds shows the progress.",
-    )  # fmt: skip
+    )
+    _sync_options(sync)
+    return parser
+
+
+def _report_options(command: argparse.ArgumentParser) -> None:
+    """What ``compare`` and ``report`` share: where runs are read, the report written, and
+    how strictly statistics are compared."""
+    command.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, then MLflow's)",
+    )
+    command.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"folder for report.html and its PNGs (default: {DEFAULT_OUT}; with --json "
+        "the report is written only when --out is given)",
+    )
+    command.add_argument(
+        "--layer",
+        "--layers",
+        dest="layers",
+        action="append",
+        metavar="LAYER",
+        help="a layer whose histograms to draw (repeat for more; default: first, middle "
+        "and last); an unknown name is an error",
+    )
+    command.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary (runs, first divergence per pair, ranking) as JSON",
+    )
+    command.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help=f"relative tolerance at which statistics differ (default {DEFAULT_RTOL}; "
+        "0 with --parity)",
+    )
+    command.add_argument(
+        "--parity",
+        action="store_true",
+        help="the runs should be identical: exact comparison (unless --rtol), exit 1 if "
+        "any two part",
+    )
+
+
+def _sync_options(sync: argparse.ArgumentParser) -> None:
+    """``sync``'s spools and how long it waits on one."""
     sync.add_argument(
-        "spools", nargs="*", type=Path, metavar="SPOOL",
+        "spools",
+        nargs="*",
+        type=Path,
+        metavar="SPOOL",
         help="a spool folder (the path the run's warning named) or a folder of spools; "
         "none: every spool on this machine ($GRADTRACK_SPOOL_DIR, else "
         "~/.cache/gradtrack/spool)",
-    )  # fmt: skip
+    )
     sync.add_argument(
-        "--timeout", type=float, default=300.0,
+        "--timeout",
+        type=float,
+        default=300.0,
         help="give up on a spool after this many seconds without progress (an "
         "unreachable tracker; default 300); the spool is kept",
-    )  # fmt: skip
-    return parser
+    )
 
 
 def run_sync(spools: list[Path], timeout_s: float) -> int:
@@ -181,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if rtol < 0:
         print("gradtrack: --rtol must be >= 0", file=sys.stderr)
         return 2
-    from gradtrack.report.summary import summarise, terminal_summary, to_json
+    from gradtrack.report.compare import summarise, terminal_summary, to_json
 
     try:
         runs = [read_run(spec, args.tracking_uri) for spec in args.runs]

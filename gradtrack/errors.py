@@ -1,9 +1,12 @@
-"""The exceptions gradtrack raises.
+"""The exceptions gradtrack raises, and `require_module`: the error of an optional extra
+(``pip install gradtrack[wandb]`` …) that is missing, raised before its SDK is imported.
 
 Every error is a `GradtrackError`, so one `except` catches them all.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 
 class GradtrackError(RuntimeError):
@@ -28,3 +31,11 @@ class GradientAlertError(GradtrackError):
 
 class GradientWarning(RuntimeWarning):
     """The warning an alert whose rule's action is ``"warn"`` gives (filter it by this class)."""
+
+
+def require_module(module: str, extra: str) -> None:
+    """Fail early, without importing it, if a backend's optional SDK is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise GradtrackError(
+            f"the {module} backend needs the {module} package: pip install gradtrack[{extra}]"
+        )

@@ -11,7 +11,7 @@ import logging
 import sys
 import warnings
 
-from gradtrack.config.redact import redact
+from gradtrack.config.models import redact
 
 logger = logging.getLogger("gradtrack")
 

@@ -37,8 +37,8 @@ from gradtrack.formats.event import AlertEvent
 from gradtrack.handoff.mailbox import DropCount, Mailbox
 from gradtrack.lifecycle import Outcome, outcome_of
 from gradtrack.log import logger, report
+from gradtrack.sinks import finish_in_caller_thread
 from gradtrack.sinks.base import GradientSink
-from gradtrack.sinks.build import finish_in_caller_thread
 from gradtrack.worker.assemble import Assembler
 from gradtrack.worker.thread import Worker
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gradtrack.formats import atomic
-from gradtrack.formats.atomic import write_atomic
+from gradtrack import formats
+from gradtrack.formats import write_atomic
 
 
 def test_the_new_version_replaces_the_old_whole_and_no_partial_file_remains(
@@ -32,7 +32,7 @@ def test_a_crash_before_the_rename_leaves_the_previous_version(
     def crash(*_: object) -> None:
         raise KeyboardInterrupt  # (BaseException: a Ctrl-C mid-write cleans up too)
 
-    monkeypatch.setattr(atomic.os, "replace", crash)
+    monkeypatch.setattr(formats.os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         write_atomic(target, "[1, 2]")
     assert target.read_text() == "[1]"
@@ -48,7 +48,7 @@ def test_a_failed_write_leaves_the_previous_version(
     def disk_full(*_: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(atomic.os, "fsync", disk_full)
+    monkeypatch.setattr(formats.os, "fsync", disk_full)
     with pytest.raises(OSError, match="No space"):
         write_atomic(target, "<p>new</p>")
     assert target.read_text() == "<p>old</p>"

@@ -83,8 +83,7 @@ class Heads(nn.Module):
 
 def test_layers_that_would_share_a_metric_key_get_distinct_keys() -> None:
     import gradtrack
-    from gradtrack.formats.keys import metric_key
-    from gradtrack.formats.metrics import scalar_metrics
+    from gradtrack.formats.metrics import metric_key, scalar_metrics
     from gradtrack.sinks import MemorySink
 
     model = Heads()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.disabled import NullWatcher, WatcherLike
+from gradtrack.api import NullWatcher, WatcherLike
 from gradtrack.sinks import MemorySink
 from gradtrack.watcher import Watcher
 from tests.conftest import SmallCNN

@@ -1,7 +1,9 @@
 """A contract test for every private API gradtrack uses, each as gradtrack uses it: a release
 of torch, mlflow or wandb that renames or changes one fails here, by name, instead of
 breaking watching silently. Where a public replacement exists gradtrack uses it instead
-(``GradScaler.get_backoff_factor``, ``inspect.currentframe``).
+(``GradScaler.get_backoff_factor``, ``inspect.currentframe``, ``wandb.Run``, the REST
+API's documented JSON for ``log-batch``), and the test pins it to what
+the private path did.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def test_gradscaler_scale_and_per_optimizer_state() -> None:
 
 
 def test_mlflow_active_run_stack_holds_this_threads_runs(tmp_path: Path) -> None:
-    """mlflow_run.py: a shared run is taken off the thread's stack of active runs without
-    end_run (which would mark it ended)."""
+    """sinks/mlflow_tracking.py `MlflowRun.end_shared`: a shared run is taken off the
+    thread's stack of active runs without end_run (which would mark it ended)."""
     import mlflow
     from mlflow.tracking import fluent
 
@@ -98,7 +100,7 @@ def test_mlflow_active_run_stack_holds_this_threads_runs(tmp_path: Path) -> None
 
 
 def test_mlflow_rest_helpers_take_what_gradtrack_passes() -> None:
-    """mlflow_tracking.py `RestTracking`: one attempt per call, with a timeout."""
+    """sinks/mlflow_tracking.py `RestTracking`: one attempt per call, with a timeout."""
     from mlflow.tracking._tracking_service.utils import get_default_host_creds
     from mlflow.utils.rest_utils import http_request, verify_rest_response
 
@@ -110,17 +112,94 @@ def test_mlflow_rest_helpers_take_what_gradtrack_passes() -> None:
     assert list(inspect.signature(verify_rest_response).parameters)[:2] == ["response", "endpoint"]
 
 
-def test_wandb_alert_levels_run_class_and_record_format() -> None:
-    """wandb.py: run.alert's level strings and the public wandb.Run (public, checked here
-    because the levels are strings); report/wandb_source.py: the offline file's protobuf
-    records."""
+def test_mlflow_log_batch_body_is_what_mlflows_own_client_sends() -> None:
+    """sinks/mlflow_tracking.py `log_batch_body`: the REST API's ``log-batch`` JSON, written by
+    gradtrack instead of through MLflow's protobuf helpers (``mlflow.protos.service_pb2``,
+    ``mlflow.utils.proto_json_utils``); it must stay what they write, NaN and ±Inf included."""
+    import json
+
+    from mlflow.entities import Metric, RunTag
+    from mlflow.protos.service_pb2 import LogBatch
+    from mlflow.utils.proto_json_utils import message_to_json
+
+    from gradtrack.sinks.mlflow_tracking import log_batch_body
+
+    nonfinite = [
+        ("n", float("nan"), 1, 2),
+        ("i", float("inf"), 1, 2**40),
+        ("m", -float("inf"), 0, 0),
+    ]
+    finite = [
+        ("a", 1.5, 1_700_000_000_000, 0),
+        ("t", 1e-40, 5, 5),
+        ("z", 0.0, 0, 0),
+        ("k", 3, 1, 1),
+    ]
+    for metrics, tags in (
+        (nonfinite + finite, [("gradtrack.alert.count", "2"), ("empty", "")]),
+        ([], [("gradtrack.weakest_layer", "fc")]),
+        (finite, []),
+    ):
+        proto = LogBatch(
+            run_id="abc",
+            metrics=[Metric(k, v, t, s).to_proto() for k, v, t, s in metrics],
+            tags=[RunTag(k, v).to_proto() for k, v in tags],
+        )
+        ours = log_batch_body("abc", metrics, tags)
+        assert json.dumps(ours) == json.dumps(json.loads(message_to_json(proto)))
+
+
+def test_wandb_alert_levels_and_run_class_are_public() -> None:
+    """sinks/wandb.py: run.alert's level strings are the values of the public
+    ``wandb.AlertLevel`` (wandb's type stubs do not export it), the run is typed as the public
+    ``wandb.Run``; formats/wandb.py reads the offline file's protobuf records."""
     import wandb
     from wandb.proto import wandb_internal_pb2
 
     assert {level.value for level in wandb.AlertLevel} >= {"INFO", "WARN", "ERROR"}
     assert "level" in inspect.signature(wandb.Run.alert).parameters
     fields = wandb_internal_pb2.Record.DESCRIPTOR.fields_by_name
-    assert {"history", "alert", "summary", "exit"} <= set(fields)
+    assert {"history", "alert", "summary", "exit", "run", "config"} <= set(fields)
+
+
+@pytest.mark.slow
+def test_wandb_transaction_log_framing_reads_as_wandbs_own_inspector_reads_it(
+    tmp_path: Path,
+) -> None:
+    """formats/wandb.py `iter_records` parses the ``.wandb`` file's framing by hand (W&B has no
+    public reader): every record of a real offline run, one larger than a 32 KiB block
+    included, must come out as W&B's own inspector (``wandb leet inspect``) reads them."""
+    import json
+
+    from gradtrack.formats.wandb import find_run_file, iter_records
+    from tests.sinks.wandb_records import read_records, run_dirs, run_python
+
+    code = (
+        "import wandb\n"
+        "run = wandb.init(mode='offline', dir='.', project='contract', config={'a': 1})\n"
+        "for i in range(3):\n"
+        "    run.log({'x': float(i), 'big': 'y' * 40000 if i == 1 else 's'})\n"
+        "run.alert(title='t', text='step 1: boom', level=wandb.AlertLevel.WARN)\n"
+        "run.finish()\n"
+    )
+    done = run_python(code, tmp_path, timeout_s=120)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    ours = list(iter_records(find_run_file(run_dir)))
+    theirs = read_records(run_dir)
+    assert [r.WhichOneof("record_type") for r in ours] == [r["type"] for r in theirs]
+    rows = [
+        {
+            ".".join(item.nested_key) or item.key: json.loads(item.value_json)
+            for item in r.history.item
+        }
+        for r in ours
+        if r.WhichOneof("record_type") == "history"
+    ]
+    assert [row["x"] for row in rows] == [0.0, 1.0, 2.0] and len(rows[1]["big"]) == 40000
+    assert [r.alert.text for r in ours if r.WhichOneof("record_type") == "alert"] == [
+        "step 1: boom"
+    ]
 
 
 def test_a_compiled_module_holds_the_model_as_orig_mod() -> None:
@@ -132,13 +211,17 @@ def test_a_compiled_module_holds_the_model_as_orig_mod() -> None:
 
 @pytest.mark.slow
 def test_mlflow_clients_sql_store_has_an_engine_to_dispose(tmp_path: Path) -> None:
-    """sinks/mlflow_tracking.py: closing the embedded store frees its connection pool."""
-    import mlflow
+    """sinks/mlflow_tracking.py `ClientTracking.close` frees the embedded store's connection
+    pool through ``MlflowClient._tracking_client.store.engine``, read by name with getattr (no
+    public close exists): if that path moves, the pool stays open and this fails."""
+    from gradtrack.sinks.mlflow_tracking import ClientTracking
 
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    engine = client._tracking_client.store.engine
-    assert callable(engine.dispose)
-    engine.dispose()
+    tracking = ClientTracking(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracking.experiment_id("contract")  # the store opens connections
+    engine = tracking.client._tracking_client.store.engine
+    assert callable(engine.dispose) and engine.pool.checkedin() > 0
+    tracking.close()
+    assert engine.pool.checkedin() == 0
 
 
 def test_deepspeed_links_parameters_to_their_zero_optimizer() -> None:

@@ -94,10 +94,7 @@ ABOVE = {
 
 # The top of the package: the entry points and what every thread shares; everything else
 # lives in the package of the thread that runs it (docs/architecture.md).
-TOP_LEVEL = {
-    "__init__", "api", "cli", "disabled", "errors", "extras", "lifecycle", "log",
-    "watcher",
-}  # fmt: skip
+TOP_LEVEL = {"__init__", "api", "cli", "errors", "lifecycle", "log", "watcher"}
 PACKAGES = {
     "alerts", "capture", "config", "delivery", "formats", "handoff", "integrations", "report",
     "sinks", "worker",
@@ -120,6 +117,24 @@ def test_no_module_imports_one_above_it(layer: str) -> None:
         if any(dep == up or dep.startswith(up + ".") for up in ABOVE[layer])
     ]
     assert wrong == []
+
+
+def test_import_gradtrack_loads_only_what_watch_needs() -> None:
+    """The report, the framework callbacks, the command line and the trackers' SDKs load on
+    first use (in a fresh interpreter: this session's imports do not count)."""
+    import subprocess
+    import sys
+
+    lazy = ("gradtrack.report", "gradtrack.integrations", "gradtrack.cli")
+    sdks = ("wandb", "mlflow", "tensorboard", "tensorboardX", "matplotlib")
+    probe = (
+        "import sys, gradtrack; gradtrack.watch, gradtrack.unwatch; "
+        f"print(sorted(m for m in sys.modules if m.startswith({lazy + sdks!r})))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert loaded.strip() == "[]"
 
 
 def test_only_the_command_line_imports_the_package_root() -> None:
@@ -238,7 +253,7 @@ def test_the_worker_never_asks_which_kind_of_courier_it_has() -> None:
 
 
 def test_files_are_replaced_in_one_place() -> None:
-    """Every whole-file rewrite goes through `gradtrack.formats.atomic.write_atomic` (temp file,
+    """Every whole-file rewrite goes through `gradtrack.formats.write_atomic` (temp file,
     fsync, ``os.replace``): one place to get durability right."""
     replacing = sorted(
         name
@@ -247,4 +262,4 @@ def test_files_are_replaced_in_one_place() -> None:
         if isinstance(node, ast.Attribute) and node.attr in ("replace", "rename")
         and isinstance(node.value, ast.Name) and node.value.id == "os"
     )  # fmt: skip
-    assert replacing == ["gradtrack.formats.atomic"]
+    assert replacing == ["gradtrack.formats"]

@@ -16,7 +16,7 @@ from torch import nn
 from gradtrack.capture.zero import is_engine
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
-from gradtrack.formats.keys import metric_key
+from gradtrack.formats.metrics import metric_key
 
 ROOT_LAYER_NAME = "root"
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from gradtrack.errors import GradientAlertError, GradtrackError
-from gradtrack.formats.atomic import write_atomic
+from gradtrack.formats import write_atomic
 from gradtrack.formats.event import AlertEvent
 from gradtrack.handoff.rules import PerStepRules, StepRules, Trip
 

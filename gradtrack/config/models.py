@@ -1,4 +1,7 @@
-"""gradtrack's configuration models: `GradtrackConfig` and its option sections.
+"""gradtrack's configuration models: `GradtrackConfig` and its option sections, and how
+secrets stay out of what gradtrack writes (`redacted_config` for a config, `redact` for
+credentials inside URIs and query strings: every warning and log line gradtrack writes about
+a tracker passes through it).
 
 Where their values come from (files, the environment, keyword arguments) is
 `gradtrack.config.loading`'s business; these are plain pydantic models, built directly too.
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +30,6 @@ from pydantic import (
 )
 from pydantic_core import to_jsonable_python
 
-from gradtrack.config.redact import redact
 from gradtrack.config.rules import AlertRules
 
 # No timeout or interval is meant to be longer: an infinite one would hang close() forever.
@@ -125,9 +128,10 @@ class TensorboardOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     log_dir: str | None = Field(
-        None, description="Folder of the event files; default runs/<date>_<host>, as "
+        None,
+        description="Folder of the event files; default runs/<date>_<host>, as "
         "SummaryWriter's own default.",
-    )  # fmt: skip
+    )
     pictures: bool = Field(
         True,
         description="At close, draw the run's gradient-flow pictures and write them as "
@@ -174,10 +178,12 @@ class NoiseScaleOptions(BaseModel):
         "input at each forward pass.",
     )
     ema: float = Field(
-        0.99, gt=0.0, lt=1.0,
+        0.99,
+        gt=0.0,
+        lt=1.0,
         description="EMA decay per logged step of |G|^2 and tr(Sigma) (their ratio is the "
         "estimate: one step's is too noisy, and biased).",
-    )  # fmt: skip
+    )
     per_layer: bool = Field(
         False, description="Also each layer's, as grad_noise_scale/<layer> (noisier still)."
     )
@@ -523,7 +529,7 @@ def redacted_config(config: GradtrackConfig | Mapping[str, Any]) -> dict[str, An
     (``mlflow.tracking_uri``) keeps its scheme, host and path with its login and query secrets
     masked (``http://***@host``: the run still says which server), any other ``SecretStr`` is
     ``**********`` (ten stars whatever its length); every other string goes through
-    :func:`gradtrack.config.redact.redact` too, in case it holds a URI with a login.
+    `redact` too, in case it holds a URI with a login.
     ``layer_keys`` is kept as it is.
 
     >>> data = redacted_config(GradtrackConfig(mlflow={"tracking_uri": "http://a:pw@host"}))
@@ -547,3 +553,25 @@ def _redact(value: Any) -> Any:
     if isinstance(value, str):
         return redact(value)
     return value
+
+
+# scheme://user:password@host → scheme://***@host (any userinfo, a token alone included)
+_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/@\s'\"]+@")
+# ?token=…&password=… and the like
+_SECRET_PARAMETER = re.compile(
+    r"(?P<name>[?&;](?:[\w.\-]*(?:token|password|passwd|secret|key|auth)[\w.\-]*))=[^&;\s'\"]+",
+    re.IGNORECASE,
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with URI credentials and secret query parameters replaced by ``***``.
+
+    >>> redact("cannot reach http://alice:s3cr3t@mlflow.example:5000/api (timeout)")
+    'cannot reach http://***@mlflow.example:5000/api (timeout)'
+    >>> redact("postgresql://mlflow:pw@db/mlflow?sslmode=require&password=pw2")
+    'postgresql://***@db/mlflow?sslmode=require&password=***'
+    >>> redact("sqlite:///mlflow.db")
+    'sqlite:///mlflow.db'
+    """
+    return _SECRET_PARAMETER.sub(r"\g<name>=***", _USERINFO.sub(r"\g<scheme>***@", text))

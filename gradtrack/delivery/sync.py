@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradtrack.config.redact import redact
+from gradtrack.config.models import redact
 from gradtrack.delivery.courier import SpooledCourier, wait_while_progressing
 from gradtrack.delivery.spool import Spool, SpoolError, is_spool
 from gradtrack.errors import GradtrackError

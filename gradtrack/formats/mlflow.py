@@ -1,6 +1,6 @@
 """gradtrack's files and tags in an MLflow run, and the readers that load them back.
 
-Histograms are chunk files (`gradtrack.formats.histogram_store`) under
+Histograms are chunk files (`gradtrack.formats.histogram`) under
 ``gradtrack/histograms``, alert events one JSON line each in ``gradtrack/alerts.jsonl``, the
 layer order a JSON list in ``gradtrack/layers.json``; tags are ``gradtrack.<name>``.
 """
@@ -12,11 +12,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradtrack.extras import require_module
+from gradtrack.errors import require_module
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow, is_window, read_window
-from gradtrack.formats.histogram_store import read_chunks
-from gradtrack.formats.keys import safe_key
+from gradtrack.formats.histogram import read_chunks
+from gradtrack.formats.metrics import safe_key
 
 HISTOGRAM_DIR = "gradtrack/histograms"
 ALERTS_DIR = "gradtrack"
@@ -67,9 +67,8 @@ def read_histograms(
         return {}
     with tempfile.TemporaryDirectory() as directory:
         local = download_artifacts(
-            run_id=run_id, artifact_path=folder, dst_path=directory,
-            tracking_uri=tracking_uri,
-        )  # fmt: skip
+            run_id=run_id, artifact_path=folder, dst_path=directory, tracking_uri=tracking_uri
+        )
         return read_chunks(Path(local).glob("hist-*.npz"))
 
 
@@ -122,3 +121,24 @@ def read_windows(
             )
             windows.append(read_window(Path(local).read_text(encoding="utf-8")))
     return windows
+
+
+def read_layer_order(run_id: str, tracking_uri: str | None = None) -> list[str]:
+    """The layer names, in depth order, an MLflow run's ``gradtrack/layers.json`` holds;
+    empty if it has none."""
+    require_module("mlflow", "mlflow")
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    client = MlflowClient(tracking_uri)
+    listed = {f.path for f in client.list_artifacts(run_id, "gradtrack")}
+    if LAYERS_FILE not in listed:
+        return []
+    with tempfile.TemporaryDirectory() as directory:
+        local = download_artifacts(
+            run_id=run_id,
+            artifact_path=LAYERS_FILE,
+            dst_path=directory,
+            tracking_uri=client.tracking_uri,
+        )
+        return list(json.loads(Path(local).read_text()))

@@ -14,7 +14,6 @@ import numpy as np
 
 from gradtrack.formats.flight import FlightWindow
 from gradtrack.formats.histogram import Histogram
-from gradtrack.formats.keys import LAYER_KEY_PREFIX
 
 # Columns of `StepRecord.stats`, one row per layer that had a gradient at this step.
 STAT_COLUMNS = ("norm", "max_abs", "mean_abs", "rms", "numel", "nan", "inf")
@@ -80,8 +79,9 @@ class StepRecord:
     # Sharded gradients (any device mesh): ``nonfinite_ranks`` are the ranks whose model
     # output or its gradient was non-finite; here each as "3 (dp=1, tp=1)", its mesh place.
     nonfinite_rank_places: tuple[str, ...] | None = None
-    # The per-layer statistics sinks write as metrics (``layer_metrics`` in the config).
-    layer_metrics: tuple[str, ...] = tuple(LAYER_KEY_PREFIX)
+    # The per-layer statistics sinks write as metrics (``layer_metrics`` in the config; each
+    # has its family in `gradtrack.formats.metrics.LAYER_KEY_PREFIX`).
+    layer_metrics: tuple[str, ...] = ("norm", "max_abs", "mean_abs", "rms")
     # What this step writes per layer (see `LayerDetail`); the grad/ totals and non-zero
     # NaN/Inf counts are written at every logged step.
     layer_detail: LayerDetail = "all"

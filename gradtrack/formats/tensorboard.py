@@ -1,6 +1,11 @@
-"""gradtrack's names in a TensorBoard log dir: scalar tags are the metric keys, histograms
-``grad_hist/<layer>`` (gradtrack's own bins), alerts and the layer order as text summaries,
-pictures ``grad_pictures/<name>`` as images; and how a `Histogram` becomes a raw one."""
+"""gradtrack's data in a TensorBoard log dir, and the readers that load it back.
+
+Scalar tags are the metric keys, histograms ``grad_hist/<layer>`` (gradtrack's own bins),
+alerts and the layer order as text summaries, pictures ``grad_pictures/<name>`` as images;
+here too how a `Histogram` becomes a raw one and back. A log dir is read through
+TensorBoard's own reader (``EventAccumulator``, `load_events`), every event kept (its default
+keeps a sample).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ import re
 import socket
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from gradtrack.errors import require_module
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.wandb import HIST_FAMILY, PICTURES_FAMILY
@@ -77,3 +84,61 @@ def parse_alert_line(text: str) -> tuple[str, str, str] | None:
 
 def layers_text(layers: list[str]) -> str:
     return json.dumps(layers)
+
+
+# -- reading a log dir -----------------------------------------------------------------------
+def is_log_dir(path: Path) -> bool:
+    """A folder holding TensorBoard event files (directly, as one run)."""
+    return path.is_dir() and any(path.glob(EVENTS_GLOB))
+
+
+def load_events(path: Path) -> Any:
+    """TensorBoard's ``EventAccumulator`` over ``path``, loaded, with every event kept and
+    none purged (two alerts at one step are both alerts)."""
+    require_module("tensorboard", "tensorboard")
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    keep_all = {kind: 0 for kind in (ea.SCALARS, ea.HISTOGRAMS, ea.TENSORS, ea.IMAGES)}
+    accumulator = ea.EventAccumulator(str(path), size_guidance=keep_all, purge_orphaned_data=False)
+    accumulator.Reload()
+    return accumulator
+
+
+def scalar_series(events: Any, tag: str) -> list[tuple[int, float]]:
+    """``[(step, value)]`` of a scalar: a double tensor summary, or an old float32 one."""
+    from tensorboard.util import tensor_util
+
+    if tag in events.Tags()["scalars"]:
+        return [(e.step, float(e.value)) for e in events.Scalars(tag)]
+    return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+
+
+def histogram_series(events: Any, tag: str) -> list[tuple[int, Histogram]]:
+    """``[(step, Histogram)]`` of a raw histogram, its buckets as they are stored."""
+    series = []
+    for event in events.Histograms(tag):
+        stored = event.histogram_value
+        histogram = histogram_from_buckets(
+            stored.min, list(stored.bucket_limit), list(stored.bucket)
+        )
+        series.append((event.step, histogram))
+    return series
+
+
+def texts(events: Any, tag: str) -> list[tuple[int, str]]:
+    """A text summary's ``[(step, text)]``; torch's writer files ``tag`` as
+    ``<tag>/text_summary``."""
+    from tensorboard.util import tensor_util
+
+    found: list[tuple[int, str]] = []
+    names = [name for name in (tag, f"{tag}/text_summary") if name in events.Tags()["tensors"]]
+    for event in (e for name in names for e in events.Tensors(name)):
+        for value in tensor_util.make_ndarray(event.tensor_proto).reshape(-1):
+            found.append((event.step, value.decode("utf-8") if isinstance(value, bytes) else value))
+    return found
+
+
+def layer_order(events: Any) -> list[str]:
+    """The layer order the log dir holds (the last one written); empty if none."""
+    found = texts(events, LAYERS_TAG)
+    return list(json.loads(found[-1][1])) if found else []

@@ -25,7 +25,7 @@ from pydantic import SecretStr
 
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
-from gradtrack.integrations._options import CallbackOptions
+from gradtrack.integrations import CallbackOptions
 from gradtrack.sinks.base import GradientSink
 
 if importlib.util.find_spec("lightning") is not None:

@@ -35,7 +35,7 @@ import torch
 from gradtrack.capture.probes import scaler_of
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
-from gradtrack.integrations._options import CallbackOptions
+from gradtrack.integrations import CallbackOptions
 from gradtrack.sinks.base import GradientSink
 
 if importlib.util.find_spec("transformers") is None:

@@ -16,7 +16,7 @@ import numpy as np
 from gradtrack.errors import GradtrackError
 from gradtrack.formats.flight import FlightWindow
 from gradtrack.formats.histogram import Histogram
-from gradtrack.formats.keys import LAYER_KEY_PREFIX, NONFINITE_KEY_PREFIX, TOTAL_NORM_KEY
+from gradtrack.formats.metrics import LAYER_KEY_PREFIX, NONFINITE_KEY_PREFIX, TOTAL_NORM_KEY
 
 LAYER_FAMILIES = tuple(LAYER_KEY_PREFIX.values())  # grad_norm, grad_max, grad_mean_abs, grad_rms
 NONFINITE_FAMILIES = tuple(NONFINITE_KEY_PREFIX.values())  # grad_nan, grad_inf (non-zero only)
@@ -177,12 +177,21 @@ def from_series(
         column, present = _column(series.get(key, ()), index)
         total_nonfinite += np.where(present, column, 0.0)
     return RunData(
-        name=name, source=source, steps=np.array(steps, dtype=np.int64), layers=layers,
-        stats=stats, total_norm=total, histograms=histograms or {}, alerts=alerts or [],
-        layer_steps=np.array(sorted(layer_logged), dtype=np.int64), logged=logged,
-        nonfinite_counts=counts, total_nonfinite=total_nonfinite, total_logged=total_logged,
+        name=name,
+        source=source,
+        steps=np.array(steps, dtype=np.int64),
+        layers=layers,
+        stats=stats,
+        total_norm=total,
+        histograms=histograms or {},
+        alerts=alerts or [],
+        layer_steps=np.array(sorted(layer_logged), dtype=np.int64),
+        logged=logged,
+        nonfinite_counts=counts,
+        total_nonfinite=total_nonfinite,
+        total_logged=total_logged,
         run_id=run_id,
-    )  # fmt: skip
+    )
 
 
 def _table(

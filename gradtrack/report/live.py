@@ -1,7 +1,9 @@
-"""What a sink keeps to draw its own run's pictures (at close, or every N steps).
+"""What a sink draws of its own run: the run's pictures (at close, or every N steps), and a
+flight recorder window's file and picture (`stage_window`).
 
-A bounded copy of what it wrote: past a bound every other entry goes (the first non-finite
-step always stays), so a run of any length costs the same memory.
+For the run's pictures a sink keeps a bounded copy of what it wrote: past a bound every other
+entry goes (the first non-finite step always stays), so a run of any length costs the same
+memory.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from typing import TypeVar
 
 import numpy as np
 
+from gradtrack.formats import write_atomic
 from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.flight import FlightWindow, window_name, window_text
 from gradtrack.formats.histogram import Histogram
 from gradtrack.formats.record import StepRecord
+from gradtrack.log import report
 from gradtrack.report.data import Alert, RunData
 
 T = TypeVar("T")
@@ -97,13 +102,21 @@ class FlowHistory:
             for layer, histogram in by_layer.items():
                 histograms.setdefault(layer, []).append((step, histogram))
         return RunData(
-            name=name, source=source, steps=np.array(steps, dtype=np.int64), layers=layers,
-            stats={"grad_norm": norms}, total_norm=total, histograms=histograms,
+            name=name,
+            source=source,
+            steps=np.array(steps, dtype=np.int64),
+            layers=layers,
+            stats={"grad_norm": norms},
+            total_norm=total,
+            histograms=histograms,
             alerts=list(self._alerts),
             layer_steps=np.array(sorted(c[0] for c in self._columns), dtype=np.int64),
-            logged={"grad_norm": logged}, nonfinite_counts=counts,
-            total_nonfinite=total_nonfinite, total_logged=total_logged, run_id=run_id,
-        )  # fmt: skip
+            logged={"grad_norm": logged},
+            nonfinite_counts=counts,
+            total_nonfinite=total_nonfinite,
+            total_logged=total_logged,
+            run_id=run_id,
+        )
 
 
 def _thin(entries: list[T], bound: int, keep: Callable[[T], bool]) -> list[T]:
@@ -159,8 +172,26 @@ class Pictures:
             try:  # on the worker thread: a warning turned into an error must not stop it
                 warnings.warn(
                     f"gradtrack could not draw the run's gradient-flow pictures: {exc!r}",
-                    RuntimeWarning, stacklevel=2,
-                )  # fmt: skip
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             except Exception:
                 pass
             return []
+
+
+def stage_window(window: FlightWindow, folder: Path, title: str = "") -> list[Path]:
+    """The window's JSON file (`gradtrack.formats.flight`) and, where matplotlib is
+    installed, its PNG, in ``folder``: what a tracker sink uploads for the window."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / window_name(window)
+    write_atomic(path, window_text(window), fsync=False)
+    paths = [path]
+    if can_draw():
+        from gradtrack.report.plots import draw_window
+
+        try:
+            paths.append(draw_window(window, path.with_suffix(".png"), title))
+        except Exception as exc:  # a picture must not cost the window
+            report(f"gradtrack could not draw the flight window's picture: {exc!r}")
+    return paths

@@ -1,4 +1,7 @@
-"""The report's figures: each a function from `RunData` to a matplotlib Figure.
+"""The report's figures: each a function from `RunData` to a matplotlib Figure, and the
+flight recorder's picture of a `FlightWindow` (`window_figure`: log10 gradient norm per
+layer × step over the window, the incident a red line, the first mover's move a white line
+from where it began).
 
 Every figure shows what a plot would otherwise hide: NaN/Inf as red ×, exact zero and "not
 logged" apart, steps at their real positions, runs told apart by colour. matplotlib is
@@ -8,12 +11,14 @@ imported lazily; plots never touch a tracker.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gradtrack.formats.flight import FlightWindow
+from gradtrack.report.compare import Divergence
 from gradtrack.report.data import RunData, common_layer_steps
-from gradtrack.report.divergence import Divergence
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -45,8 +50,13 @@ def _figure(width: float = 10.0, height: float = 4.0) -> Figure:
 
 def _legend(axes: Axes, entries: int) -> None:
     if entries > 8:  # many runs: a column of names beside the plot, not over it
-        axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                    ncol=max(1, -(-entries // 24)), frameon=False)  # fmt: skip
+        axes.legend(
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            ncol=max(1, -(-entries // 24)),
+            frameon=False,
+        )
     else:
         axes.legend(fontsize=8, loc="best")
 
@@ -61,16 +71,34 @@ def _edge_marks(
     if bad.any():
         label = "NaN/Inf (top edge)" if "bad" not in labels else None
         labels.add("bad")
-        axes.scatter(x[bad], np.full(bad.sum(), 0.96 - 0.012 * (slot % 8)), marker="x",
-                     color=NONFINITE_COLOR, s=45, linewidths=2, transform=transform,
-                     zorder=5, label=label, clip_on=False)  # fmt: skip
+        axes.scatter(
+            x[bad],
+            np.full(bad.sum(), 0.96 - 0.012 * (slot % 8)),
+            marker="x",
+            color=NONFINITE_COLOR,
+            s=45,
+            linewidths=2,
+            transform=transform,
+            zorder=5,
+            label=label,
+            clip_on=False,
+        )
     zero = values == 0
     if zero.any():
         label = "exactly 0 (bottom edge)" if "zero" not in labels else None
         labels.add("zero")
-        axes.scatter(x[zero], np.full(zero.sum(), 0.03 + 0.012 * (slot % 8)), marker="v",
-                     facecolors="none", edgecolors=[color], s=30, transform=transform,
-                     zorder=5, label=label, clip_on=False)  # fmt: skip
+        axes.scatter(
+            x[zero],
+            np.full(zero.sum(), 0.03 + 0.012 * (slot % 8)),
+            marker="v",
+            facecolors="none",
+            edgecolors=[color],
+            s=30,
+            transform=transform,
+            zorder=5,
+            label=label,
+            clip_on=False,
+        )
 
 
 def _positive(values: np.ndarray) -> np.ndarray:
@@ -88,8 +116,15 @@ def total_norm(runs: list[RunData], divergences: Sequence[Divergence | None] = (
         logged = run.total_logged_mask()
         steps, values = run.steps[logged], run.total_norm[logged]
         marker = "." if len(steps) <= 300 else None
-        axes.plot(steps, _positive(values), label=run.name, color=colors[r], linewidth=1.2,
-                  marker=marker, markersize=4)  # fmt: skip
+        axes.plot(
+            steps,
+            _positive(values),
+            label=run.name,
+            color=colors[r],
+            linewidth=1.2,
+            marker=marker,
+            markersize=4,
+        )
         _edge_marks(axes, steps, values, colors[r], r, labels)
     _divergence_lines(axes, runs, divergences, colors)
     _log_limits(axes, [run.total_norm for run in runs], "no finite, non-zero total norm")
@@ -167,9 +202,15 @@ def flow_profile(runs: list[RunData], steps: list[int]) -> Figure:
             depth = np.array([layers.index(run.layers[c]) for c in cols])
             values = run.norms[row, cols]
             logged = run.logged_mask("grad_norm")[row, cols]
-            axes.plot(depth, _positive(np.where(logged, values, np.nan)), color=colors[r],
-                      marker="." if len(layers) <= 80 else None, markersize=4,
-                      linewidth=1.2, label=run.name if s == 0 else None)  # fmt: skip
+            axes.plot(
+                depth,
+                _positive(np.where(logged, values, np.nan)),
+                color=colors[r],
+                marker="." if len(layers) <= 80 else None,
+                markersize=4,
+                linewidth=1.2,
+                label=run.name if s == 0 else None,
+            )
             _edge_marks(axes, depth[logged], values[logged], colors[r], r, labels)
         axes.set(yscale="log", ylabel="gradient norm", title=f"step {step}")
         axes.grid(alpha=0.3)
@@ -179,8 +220,14 @@ def flow_profile(runs: list[RunData], steps: list[int]) -> Figure:
     for panel in figure.axes:
         for handle, label in zip(*panel.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    figure.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize=7,
-                  ncol=max(1, -(-len(legend) // 30)), frameon=False)  # fmt: skip
+    figure.legend(
+        legend.values(),
+        legend.keys(),
+        loc="outside right upper",
+        fontsize=7,
+        ncol=max(1, -(-len(legend) // 30)),
+        frameon=False,
+    )
     _layer_ticks(axes, layers)
     axes.set_xlabel("layer (input → output)")
     figure.suptitle("Gradient flow by depth")
@@ -224,13 +271,14 @@ def log_range(runs: list[RunData]) -> tuple[float, float]:
 
 
 def heatmap(
-    run: RunData, color_range: tuple[float, float] | None = None,
-    divergence: Divergence | None = None, reference: str = "",
-) -> Figure:  # fmt: skip
+    run: RunData,
+    color_range: tuple[float, float] | None = None,
+    divergence: Divergence | None = None,
+    reference: str = "",
+) -> Figure:
     """Layers × steps, colour = log10 norm; NaN red, Inf magenta, zero white, not logged grey;
     columns at their real steps; where the run parts from ``reference``, a dotted line."""
     from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
 
     figure = _figure(10.0, max(3.0, min(12.0, 0.05 * len(run.layers) + 2.0)))
     axes = figure.add_subplot()
@@ -257,26 +305,54 @@ def heatmap(
             axes.pcolormesh(x, y, cells, cmap=special, vmin=-0.5, vmax=2.5)
     axes.set_ylim(len(run.layers) - 0.5, -0.5)
     if divergence is not None:
-        axes.axvline(divergence.step, color="black", linestyle=":", linewidth=1.5)
-        if divergence.layer in run.layers:
-            axes.annotate(
-                f"parts from {reference} at step {divergence.step}: {divergence.layer}",
-                (divergence.layer_step, run.layers.index(divergence.layer)),
-                xytext=(6, 0), textcoords="offset points", fontsize=7, va="center",
-                bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
-            )  # fmt: skip
+        _parting_mark(axes, run, divergence, reference)
     _layer_ticks(axes, run.layers, axis="y", most=50)
-    axes.set(xlabel="step", ylabel="layer (input → output)",
-             title=f"{run.name}: log10 gradient norm per layer")  # fmt: skip
+    axes.set(
+        xlabel="step",
+        ylabel="layer (input → output)",
+        title=f"{run.name}: log10 gradient norm per layer",
+    )
     if image is not None:
         figure.colorbar(image, ax=axes, label="log10 norm", fraction=0.04)
-    figure.legend(
-        handles=[Patch(color=c, label=t, ec="0.3") for c, t in (
-            (NONFINITE_COLOR, "NaN"), (INF_COLOR, "Inf"), (ZERO_COLOR, "exactly 0"),
-            (MISSING_COLOR, "not logged"))],
-        fontsize=7, loc="outside lower center", ncol=4, frameon=False,
-    )  # fmt: skip
+    _cell_legend(figure)
     return figure
+
+
+def _parting_mark(axes: Axes, run: RunData, divergence: Divergence, reference: str) -> None:
+    """A dotted line at the step where ``run`` parts from ``reference``, and the layer that
+    parts first named at its row."""
+    axes.axvline(divergence.step, color="black", linestyle=":", linewidth=1.5)
+    if divergence.layer in run.layers:
+        axes.annotate(
+            f"parts from {reference} at step {divergence.step}: {divergence.layer}",
+            (divergence.layer_step, run.layers.index(divergence.layer)),
+            xytext=(6, 0),
+            textcoords="offset points",
+            fontsize=7,
+            va="center",
+            bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
+        )
+
+
+def _cell_legend(figure: Figure) -> None:
+    """What a heatmap's special cells mean: NaN, Inf, exactly 0, not logged."""
+    from matplotlib.patches import Patch
+
+    figure.legend(
+        handles=[
+            Patch(color=c, label=t, ec="0.3")
+            for c, t in (
+                (NONFINITE_COLOR, "NaN"),
+                (INF_COLOR, "Inf"),
+                (ZERO_COLOR, "exactly 0"),
+                (MISSING_COLOR, "not logged"),
+            )
+        ],
+        fontsize=7,
+        loc="outside lower center",
+        ncol=4,
+        frameon=False,
+    )
 
 
 def shared_bins(runs: list[RunData], layer: str, bins: int = 64) -> np.ndarray | None:
@@ -319,9 +395,9 @@ def histogram_evolution(runs: list[RunData], layer: str) -> Figure:
             axes.text(0.5, 0.5, "no histograms", ha="center", transform=axes.transAxes)
             continue
         steps = np.array([step for step, _ in series])
-        fractions = np.stack([
-            rebin(h.edges, h.counts, target) / max(1, h.sample_size) for _, h in series
-        ], axis=1)  # fmt: skip
+        fractions = np.stack(
+            [rebin(h.edges, h.counts, target) / max(1, h.sample_size) for _, h in series], axis=1
+        )
         panels.append((axes, steps, fractions))
         axes.set_facecolor(MISSING_COLOR)
         axes.set_xlabel("step", fontsize=8)
@@ -357,29 +433,117 @@ def alert_timeline(runs: list[RunData], divergences: Sequence[Divergence | None]
     for r, run in enumerate(runs):
         named: set[str] = set()
         for alert in sorted(run.alerts, key=lambda a: a.step):
-            axes.scatter(alert.step, r, marker=shape[alert.rule], s=45, zorder=3,
-                         color=colors.get(alert.severity, "C7"), edgecolors="black",
-                         linewidths=0.5)  # fmt: skip
+            axes.scatter(
+                alert.step,
+                r,
+                marker=shape[alert.rule],
+                s=45,
+                zorder=3,
+                color=colors.get(alert.severity, "C7"),
+                edgecolors="black",
+                linewidths=0.5,
+            )
             if alert.rule not in named:
                 named.add(alert.rule)
                 text = alert.rule + (f" @ {alert.origin_layer}" if alert.origin_layer else "")
-                axes.annotate(text, (alert.step, r), xytext=(4, 6), textcoords="offset points",
-                              fontsize=7)  # fmt: skip
+                axes.annotate(
+                    text, (alert.step, r), xytext=(4, 6), textcoords="offset points", fontsize=7
+                )
     for r, divergence in enumerate(divergences):
         if divergence is not None and r > 0:
             axes.scatter(divergence.step, r, marker="|", s=300, color="black", zorder=4)
-    handles = [Line2D([], [], marker=shape[rule], linestyle="", color="0.5", label=rule)
-               for rule in rules]  # fmt: skip
-    handles += [Line2D([], [], marker="o", linestyle="", color=c, label=s)
-                for s, c in colors.items()]  # fmt: skip
+    handles = [
+        Line2D([], [], marker=shape[rule], linestyle="", color="0.5", label=rule) for rule in rules
+    ]
+    handles += [
+        Line2D([], [], marker="o", linestyle="", color=c, label=s) for s, c in colors.items()
+    ]
     if any(d is not None for d in divergences):
-        handles.append(Line2D([], [], marker="|", linestyle="", color="black", markersize=12,
-                              label="parts from the first run"))  # fmt: skip
-    axes.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                frameon=False)  # fmt: skip
+        handles.append(
+            Line2D(
+                [],
+                [],
+                marker="|",
+                linestyle="",
+                color="black",
+                markersize=12,
+                label="parts from the first run",
+            )
+        )
+    axes.legend(
+        handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False
+    )
     axes.set_yticks(range(len(runs)), [run.name for run in runs], fontsize=8)
     axes.set_ylim(len(runs) - 0.4, -0.6)
     _step_limits(axes, runs)
     axes.set(xlabel="step", title="Alerts (shape: rule, colour: severity)")
     axes.grid(alpha=0.3, axis="x")
     return figure
+
+
+def window_figure(window: FlightWindow, title: str = "") -> Figure:
+    """Layers × steps, colour = log10 norm (NaN/Inf red), the incident a red line."""
+    from matplotlib.colors import ListedColormap
+
+    layers = list(window.layers)
+    figure = _figure(10.0, max(3.0, min(12.0, 0.05 * len(layers) + 2.5)))
+    axes = figure.add_subplot()
+    values = window.norms.astype(np.float64).T  # [layers, steps]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
+    steps = window.steps.astype(float)
+    x = np.append(steps, steps[-1] + 1.0) - 0.5 if len(steps) else np.zeros(1)
+    y = np.arange(len(layers) + 1) - 0.5
+    image = None
+    if len(steps) and np.isfinite(logs).any():
+        image = axes.pcolormesh(x, y, np.ma.masked_invalid(logs), cmap="viridis")
+    bad = np.where(np.isfinite(values) | (values == 0), np.nan, 1.0)
+    if len(steps) and not np.isnan(bad).all():
+        axes.pcolormesh(x, y, np.ma.masked_invalid(bad), cmap=ListedColormap([NONFINITE_COLOR]))
+    axes.axvline(window.incident_step, color=NONFINITE_COLOR, linewidth=1.5)
+    axes.annotate(
+        f"{window.incident} at step {window.incident_step}",
+        (window.incident_step, -0.5),
+        xytext=(-4, -4),
+        textcoords="offset points",
+        ha="right",
+        va="top",
+        fontsize=7,
+        bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
+    )
+    if window.first_mover in layers and window.first_mover_step is not None:
+        row = layers.index(window.first_mover)
+        axes.plot(
+            [window.first_mover_step - 0.5, window.incident_step - 0.5],
+            [row, row],
+            color="white",
+            linewidth=2.0,
+        )
+        axes.annotate(
+            f"first mover: {window.first_mover}, from step {window.first_mover_step}",
+            (window.first_mover_step, row),
+            xytext=(-6, 8),
+            textcoords="offset points",
+            ha="right",
+            fontsize=7,
+            bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
+        )
+    axes.set_ylim(len(layers) - 0.5, -0.5)
+    _layer_ticks(axes, layers, axis="y", most=50)
+    axes.set(
+        xlabel="step",
+        ylabel="layer (input → output)",
+        title=title
+        or f"gradient norms before the {window.incident} at step "
+        f"{window.incident_step} (flight recorder)",
+    )
+    if image is not None:
+        figure.colorbar(image, ax=axes, label="log10 norm", fraction=0.04)
+    return figure
+
+
+def draw_window(window: FlightWindow, path: Path, title: str = "") -> Path:
+    """The window's picture as a PNG at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    window_figure(window, title).savefig(path)
+    return path

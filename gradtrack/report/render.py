@@ -8,12 +8,10 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gradtrack.formats.atomic import write_atomic
+from gradtrack.formats import write_atomic
 from gradtrack.report import plots
-from gradtrack.report.compare import LayerDifference
+from gradtrack.report.compare import Divergence, LayerDifference, Summary, sentences, summarise
 from gradtrack.report.data import RunData
-from gradtrack.report.divergence import Divergence
-from gradtrack.report.summary import Summary, sentences, summarise
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -90,8 +88,6 @@ def _figures(
 
 def _window_figures(runs: list[RunData], most: int = 6) -> list[tuple[str, str, Figure]]:
     """The flight recorder's windows: each run's first ``most``, its first mover named."""
-    from gradtrack.report.flight import window_figure
-
     figures = []
     for i, run in enumerate(runs):
         for window in run.windows[:most]:
@@ -100,7 +96,7 @@ def _window_figures(runs: list[RunData], most: int = 6) -> list[tuple[str, str, 
                 f"{window.incident_step} (flight recorder)"
             )
             name = f"flight_{i}_{window.incident_step}"
-            figures.append((name, title, window_figure(window, title)))
+            figures.append((name, title, plots.window_figure(window, title)))
     return figures
 
 

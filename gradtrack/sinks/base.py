@@ -1,6 +1,8 @@
 """The `GradientSink` protocol every backend implements, `SinkBase` (its optional parts
-declared with no-op defaults), `TrackerSink` for sinks delivered from the spool, and the
-name → factory registry.
+declared with no-op defaults), `TrackerSink` for sinks delivered from the spool, the
+name → factory registry, and `RunBook`: what a tracker sink notes about its run once, or only
+when it changes (the first non-finite alert, the weakest and strongest layer, the layers in
+order of first appearance), which each sink turns into its tracker's own calls.
 
 Which thread calls what: a sink is made on the thread that calls `gradtrack.watch` (or a
 registered factory, there); every delivery call — `write`, `alert`, `flush`, `close`, and a
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from gradtrack.config import GradtrackConfig
@@ -244,3 +246,45 @@ def create_sink(name: str, config: GradtrackConfig) -> GradientSink:
     if not isinstance(sink, GradientSink):
         raise GradtrackError(f"the factory registered as {name!r} returned {sink!r}, not a sink")
     return sink
+
+
+class RunBook:
+    """One run's notes, each handed out only when it is new."""
+
+    def __init__(self) -> None:
+        self._nonfinite_seen = False
+        self._extremes: tuple[str, str] | None = None
+        self._layers: dict[str, None] = {}  # layer names in order of first appearance
+
+    def first_nonfinite(self, event: AlertEvent) -> dict[str, int | str]:
+        """The first non-finite alert's step, layer and stage, named as the trackers name
+        them; empty for any other event, and for every non-finite one after the first."""
+        if event.rule != "nonfinite" or self._nonfinite_seen:
+            return {}
+        self._nonfinite_seen = True
+        return {
+            "first_nonfinite_step": event.step,
+            "first_nonfinite_layer": event.origin_layer or "",
+            "first_nonfinite_stage": event.origin_stage or "",
+        }
+
+    def extremes(self, record: StepRecord) -> dict[str, str]:
+        """The weakest and strongest layer by gradient norm, when they differ from the last
+        ones handed out; empty otherwise."""
+        extremes = record.extreme_layers()
+        names = None if extremes is None else (extremes[0][0], extremes[1][0])
+        if names is None or names == self._extremes:
+            return {}
+        self._extremes = names
+        return {"weakest_layer": names[0], "strongest_layer": names[1]}
+
+    def add_layers(self, layers: Iterable[str]) -> bool:
+        """Note the layers not seen before; True if there were any."""
+        new = [layer for layer in layers if layer not in self._layers]
+        self._layers.update(dict.fromkeys(new))
+        return bool(new)
+
+    @property
+    def layers(self) -> list[str]:
+        """Every layer noted so far, in order of first appearance."""
+        return list(self._layers)

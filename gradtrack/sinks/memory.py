@@ -10,10 +10,9 @@ from collections.abc import Sequence
 
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram
-from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.metrics import scalar_metrics, window_series
 from gradtrack.formats.record import StepRecord
 from gradtrack.sinks.base import SinkBase
-from gradtrack.sinks.flight_files import window_series
 
 
 class MemorySink(SinkBase):

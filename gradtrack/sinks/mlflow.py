@@ -8,8 +8,10 @@ sent again after a failure resumes at the request that failed. Histograms go per
 ``hist_chunk_steps`` histogram steps (or ``hist_chunk_s``) as one chunk file, on a cursor of
 their own. mlflow is imported only on the courier's thread, at the first send.
 
-Its collaborators: `mlflow_run` (which run, its start and end), `mlflow_requests` (a batch as
-requests), `mlflow_tracking` (the calls); the names it writes are in `gradtrack.formats.mlflow`.
+Here: the sink, and the requests a batch becomes (`pack`: `log-batch` calls within MLflow's
+per-request limits, then the files to upload, in the order they must reach the run). Which
+run, and the calls that reach it: `gradtrack.sinks.mlflow_tracking`; the names it writes:
+`gradtrack.formats.mlflow`.
 """
 
 from __future__ import annotations
@@ -19,18 +21,18 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gradtrack.config import GradtrackConfig
-from gradtrack.extras import require_module
-from gradtrack.formats.atomic import write_atomic
+from gradtrack.errors import require_module
+from gradtrack.formats import write_atomic
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
-from gradtrack.formats.histogram_store import write_chunk
-from gradtrack.formats.keys import metric_key
-from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.histogram import write_chunk
+from gradtrack.formats.metrics import metric_key, scalar_metrics, window_series
 from gradtrack.formats.mlflow import (
     ALERTS_DIR,
     ALERTS_FILE,
@@ -42,15 +44,67 @@ from gradtrack.formats.mlflow import (
 )
 from gradtrack.formats.record import StepRecord
 from gradtrack.log import report
-from gradtrack.sinks.base import TrackerSink
-from gradtrack.sinks.flight_files import stage_window, window_series
-from gradtrack.sinks.mlflow_auth import refusal_message
-from gradtrack.sinks.mlflow_requests import LogBatch, Metric, Request, Tag, Upload, pack
-from gradtrack.sinks.mlflow_run import MlflowRun, portable_uri
-from gradtrack.sinks.mlflow_tracking import PermanentError, Refusal
-from gradtrack.sinks.runbook import RunBook
+from gradtrack.sinks.base import RunBook, TrackerSink
+from gradtrack.sinks.mlflow_tracking import (
+    MlflowRun,
+    PermanentError,
+    Refusal,
+    portable_uri,
+    refusal_message,
+)
 
 _MAX_TAG_CHARS = 5000
+# Request limits of MLflow's log-batch endpoint (mlflow/utils/validation.py).
+MAX_METRICS_PER_BATCH = 1000
+MAX_TAGS_PER_BATCH = 100
+MAX_ITEMS_PER_BATCH = 1000
+
+Metric = tuple[str, float, int, int]  # key, value, timestamp (ms), step
+Tag = tuple[str, str]
+
+
+@dataclass
+class LogBatch:
+    metrics: list[Metric] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)  # one value per key: the last
+
+    def room(self) -> int:
+        return min(
+            MAX_METRICS_PER_BATCH - len(self.metrics),
+            MAX_ITEMS_PER_BATCH - len(self.metrics) - len(self.tags),
+        )
+
+
+@dataclass(frozen=True)
+class Upload:
+    path: Path
+    artifact_dir: str
+
+
+Request = LogBatch | Upload
+
+
+def pack(steps: Iterable[tuple[list[Metric], list[Tag]]]) -> list[LogBatch]:
+    """Each step's metrics and tags, in order, into as few `log-batch` requests as the
+    limits allow (a step larger than one request spans several; its tags go with its
+    first part). Tags of one key keep their last value."""
+    requests = [LogBatch()]
+    for metrics, tags in steps:
+        for key, value in tags:
+            current = requests[-1]
+            full = len(current.tags) >= MAX_TAGS_PER_BATCH or current.room() <= 0
+            if full and key not in current.tags:
+                requests.append(current := LogBatch())
+            current.tags[key] = value
+        while metrics:
+            current = requests[-1]
+            room = current.room()
+            if room <= 0:
+                requests.append(current := LogBatch())
+                room = current.room()
+            current.metrics.extend(metrics[:room])
+            metrics = metrics[room:]
+    return [request for request in requests if request.metrics or request.tags]
 
 
 class _Sending:
@@ -268,6 +322,8 @@ class MlflowSink(TrackerSink):
     def _flight(self, window: FlightWindow, timestamp: int, uploads: list[Upload]) -> list[Metric]:
         """The window's file and picture as artifacts; its steps as series unless too many
         values for MLflow's rows (``flight.series_max_values``)."""
+        from gradtrack.report.live import stage_window
+
         folder = artifact_path(FLIGHT_DIR.as_posix(), self._model)
         staged = stage_window(window, self._staging / "flight", self.options.run_name or "")
         uploads.extend(Upload(path, folder) for path in staged)

@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from gradtrack.config import GradtrackConfig
-from gradtrack.errors import GradtrackError
-from gradtrack.extras import require_module
+from gradtrack.errors import GradtrackError, require_module
 from gradtrack.formats.event import AlertEvent
-from gradtrack.formats.keys import metric_key
-from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.metrics import metric_key, scalar_metrics
 from gradtrack.formats.record import StepRecord
 from gradtrack.formats.tensorboard import (
     ALERTS_TAG,
@@ -38,8 +36,7 @@ from gradtrack.formats.tensorboard import (
     layers_text,
     raw_histogram,
 )
-from gradtrack.sinks.base import SinkBase
-from gradtrack.sinks.runbook import RunBook
+from gradtrack.sinks.base import RunBook, SinkBase
 
 # The writer threads of the SummaryWriters gradtrack made: a write error that ends one (a full
 # disk) is raised again in the sink's next write, flush or close, which reports it once; the

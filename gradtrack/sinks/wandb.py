@@ -1,11 +1,11 @@
 """Weights & Biases sink: every step in the run, charts current, the user's steps never moved.
 
-Every step the sink is handed goes into the run's step files (`gradtrack.sinks.wandb_file`),
-written as training goes. In a run gradtrack started, each step is also a history row of its
-own while nobody else logs; in any other run the newest step of each batch rides the user's
-open row (`gradtrack.sinks.wandb_rows`). Charts use ``gradtrack/step`` (``define_metric``).
-The run is found, started and bound by `gradtrack.sinks.wandb_run`; the names written are in
-`gradtrack.formats.wandb` and `gradtrack.formats.wandb_steps`. Only W&B's public API is used.
+Every step the sink is handed goes into the run's step files (`StepFiles`), written as
+training goes. In a run gradtrack started, each step is also a history row of its own while
+nobody else logs; in any other run the newest step of each batch rides the user's open row
+(`RowRider`). Charts use ``gradtrack/step`` (``define_metric``). The run is found, started and
+bound by `WandbRun`; the names written are in `gradtrack.formats.wandb`. Only W&B's public API
+is used.
 
 wandb is imported only when the first step is written; a run already active is reused.
 """
@@ -13,29 +13,36 @@ wandb is imported only when the first step is written; a run already active is r
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from gradtrack.config import GradtrackConfig
-from gradtrack.extras import require_module
+from gradtrack.config import GradtrackConfig, redacted_config
+from gradtrack.errors import GradtrackError, require_module
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.flight import FLIGHT_DIR, FlightWindow
-from gradtrack.formats.keys import metric_key
-from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.metrics import FAMILIES, metric_key, scalar_metrics
 from gradtrack.formats.record import StepRecord
-from gradtrack.formats.wandb import HIST_FAMILY, LAYERS_CONFIG_KEY, PICTURES_FAMILY, PROFILE_FAMILY
-from gradtrack.formats.wandb_steps import step_line
-from gradtrack.sinks.base import SinkBase
-from gradtrack.sinks.flight_files import stage_window
-from gradtrack.sinks.runbook import RunBook
-from gradtrack.sinks.wandb_file import StepFiles
-from gradtrack.sinks.wandb_rows import RowRider
-from gradtrack.sinks.wandb_run import WandbRun, finished_error
+from gradtrack.formats.wandb import (
+    HIST_FAMILY,
+    LAYERS_CONFIG_KEY,
+    PICTURES_FAMILY,
+    PROFILE_FAMILY,
+    part_name,
+    step_line,
+    steps_dir,
+)
+from gradtrack.sinks.base import RunBook, SinkBase
 
 if TYPE_CHECKING:
     from wandb import Run
+
+PART_BYTES = 1 << 20  # a step file this large is closed; the next line starts a new one
+FINISHED_MESSAGE = (
+    "the W&B run was finished before gradtrack's watcher closed; gradtrack stops logging to "
+    "it (close the watcher before wandb.finish())"
+)
 
 
 class WandbSink(SinkBase):
@@ -106,6 +113,8 @@ class WandbSink(SinkBase):
         """A flight recorder's window: its file among the run's files (W&B's history takes
         no step before the last one logged), its picture in the run summary."""
         import wandb
+
+        from gradtrack.report.live import stage_window
 
         root = Path(run.dir)
         model = self.config.model_name
@@ -209,3 +218,164 @@ class WandbSink(SinkBase):
             }
             if images:
                 run.summary.update(images)  # W&B copies the files into the run here
+
+
+class WandbRun:
+    """The run the sink logs to: the one given, else the active one, else one it starts;
+    knows whether gradtrack alone logs to it.
+
+    Whichever it is, it is bound once: gradtrack's metrics are plotted against its own step
+    metric (``define_metric``). ``run.step`` (W&B's number of the open row, a round trip to
+    its service) tells whether anyone else commits rows.
+    """
+
+    def __init__(self, config: GradtrackConfig, run: Run | None, step_key: str) -> None:
+        self.config = config
+        self.run = run  # None until found or started; not yet bound until `bound()`
+        self.owns_run = False
+        self._step_key = step_key
+        self._bound = False  # step axis declared on self.run
+        self._own_rows: int | None = None  # rows committed while gradtrack alone logs
+
+    def bound(self) -> Run:
+        """The W&B run: the one given, else the active one, else one started now."""
+        if self.run is not None and self._bound:
+            return self.run
+        if self.run is None:
+            import wandb
+
+            if wandb.run is not None:
+                self.run = wandb.run
+            else:
+                options = self.config.wandb
+                self.run = wandb.init(
+                    project=options.project,
+                    entity=options.entity,
+                    name=options.name,
+                    group=options.group,
+                    tags=list(options.tags) or None,
+                    mode=options.mode,
+                    dir=options.dir,
+                    config={"gradtrack": redacted_config(self.config)},
+                )
+                self.owns_run = True
+                self._own_rows = self.run.step
+        # Once per run, given or found: a run handed in (a Lightning WandbLogger's) needs
+        # the step axis as much as one gradtrack found or started.
+        self._bound = True
+        self._declare_step_axis(self.run)
+        return self.run
+
+    def _declare_step_axis(self, run: Run) -> None:
+        run.define_metric(self._step_key, hidden=True)
+        model = self.config.model_name
+        for family in (*FAMILIES, HIST_FAMILY, PROFILE_FAMILY):
+            pattern = f"{family}/{model}/*" if model else f"{family}/*"
+            run.define_metric(pattern, step_metric=self._step_key)
+
+    def alone_in(self, run: Run) -> bool:
+        """True while gradtrack started the run and no row but its own was committed."""
+        if self._own_rows is None:
+            return False
+        if run.step != self._own_rows:
+            # Someone else logs too: from now on ride their rows, never move their steps.
+            self._own_rows = None
+        return self._own_rows is not None
+
+    def rows_logged(self, run: Run, rows: int) -> None:
+        """gradtrack committed ``rows`` rows of its own (while alone in the run)."""
+        if self._own_rows is not None:
+            self._own_rows += rows
+
+
+def finished_error(error: Exception) -> GradtrackError | None:
+    """The error to raise when ``error`` says the run is finished (W&B's ``UsageError``)."""
+    from wandb.errors import UsageError
+
+    if isinstance(error, UsageError):
+        return GradtrackError(FINISHED_MESSAGE)
+    return None
+
+
+class RowRider:
+    """Stages one step per batch into the user's open row; knows what the row may hold.
+
+    W&B keeps one history row open at a time and numbers rows with ``_step``; whoever
+    commits a row moves that number. In a run the user logs to, gradtrack therefore never
+    commits: it stages the NEWEST step of each batch it is handed into the open row
+    (``log(..., commit=False)``), the row the user's next ``wandb.log`` commits, with
+    ``step=`` or without. Every step is in the run's step files anyway (`StepFiles`); the
+    rows are for charts, kept current.
+
+    A later step staged into a row that still holds an earlier one replaces that step's
+    values key by key; a key the earlier step had and the later lacks (a histogram, the
+    profile, a non-zero NaN count) would stay, drawn at the later step. So while the open row
+    may hold our last step (``run.step``, W&B's number of the open row, has not moved past
+    it), only a step whose keys include all of that step's keys replaces it; otherwise the
+    row keeps its step for the user's next commit.
+    """
+
+    def __init__(self, row: Callable[[StepRecord], dict[str, Any]]) -> None:
+        self._row = row
+        self._staged_at: int | None = None  # W&B's open row right after our last staging
+        self._staged_keys: frozenset[str] = frozenset()
+
+    def ride(self, run: Run, batch: Sequence[StepRecord]) -> int | None:
+        """Stage the newest step of ``batch`` the open row can take; the step staged, or None."""
+        may_hold_ours = self._staged_at is not None and run.step <= self._staged_at
+        for record in reversed(batch):
+            row = self._row(record)
+            if may_hold_ours and not self._staged_keys <= row.keys():
+                continue
+            run.log(row, commit=False)
+            # Asked after our log (W&B answers in order): had the user committed meanwhile,
+            # our step is in the row before this number, and "may hold ours" errs on the
+            # safe side.
+            self._staged_at = run.step
+            self._staged_keys = frozenset(row)
+            return record.step
+        return None
+
+
+class StepFiles:
+    """Every step the sink is handed, appended to step files the run carries, as training
+    goes: to the run's current part, starting (and saving) a new one as due.
+
+    The files sit in the run's own folder (``run.dir``) and are saved with ``run.save(...,
+    policy="live")``: W&B uploads each as it grows (an offline run keeps them for ``wandb
+    sync``). A file is closed once it passes ``PART_BYTES`` and the next one started, so a
+    live upload never re-sends more than that. Format and reader: `gradtrack.formats.wandb`.
+    """
+
+    def __init__(self, model_name: str | None) -> None:
+        self._folder = steps_dir(model_name)
+        self._file: IO[str] | None = None
+        self._written = 0  # bytes in the current part
+        self.steps = 0  # lines written, all parts
+
+    def append(self, run: Run, lines: Sequence[tuple[int, str]]) -> None:
+        """Write ``(step, line)`` pairs, oldest first, flushed to the operating system."""
+        for step, line in lines:
+            if self._file is None or self._written >= PART_BYTES:
+                self._start(run, step)
+            assert self._file is not None
+            self._file.write(line)
+            self._written += len(line)
+            self.steps += 1
+        if self._file is not None:
+            self._file.flush()  # what W&B's live upload reads, and a reader of the run dir
+
+    def _start(self, run: Run, first_step: int) -> None:
+        self.close()
+        root = Path(run.dir)
+        path = root / self._folder / part_name(first_step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+        self._written = path.stat().st_size
+        # Already in the run's folder: W&B only records the policy (no copy, no link).
+        run.save(str(path), base_path=str(root), policy="live")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

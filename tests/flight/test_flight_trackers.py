@@ -122,10 +122,9 @@ def test_a_nan_at_an_unlogged_step_leaves_the_256_steps_before_it_in_mlflow_and_
 
     # The report reads the windows back from both trackers, and for this one run says what
     # it found: the incidents and their first mover, the first NaN, the weakest layer.
-    from gradtrack.report.mlflow_source import read_mlflow_run
+    from gradtrack.report.compare import sentences, summarise, to_json
     from gradtrack.report.render import render_report
-    from gradtrack.report.summary import sentences, summarise, to_json
-    from gradtrack.report.wandb_source import read_wandb_offline
+    from gradtrack.report.sources import read_mlflow_run, read_wandb_offline
 
     for run in (read_mlflow_run(run_id, uri), read_wandb_offline(run_dir)):
         assert NAN_AT in [w.incident_step for w in run.windows]

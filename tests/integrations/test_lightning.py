@@ -23,9 +23,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins import MixedPrecision
 
+from gradtrack.formats.tensorboard import load_events
 from gradtrack.integrations.lightning import GradtrackCallback
-from gradtrack.report.tensorboard_source import load_events, read_tensorboard_dir
-from gradtrack.report.wandb_source import read_wandb_offline
+from gradtrack.report.sources import read_tensorboard_dir, read_wandb_offline
 from gradtrack.sinks.memory import MemorySink
 from gradtrack.sinks.tensorboard import TensorboardSink
 from tests.conftest import assert_record_matches, reference_stats

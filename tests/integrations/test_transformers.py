@@ -26,9 +26,9 @@ from transformers import (
     TrainingArguments,
 )
 
+from gradtrack.formats.tensorboard import load_events
 from gradtrack.integrations.transformers import GradtrackCallback
-from gradtrack.report.tensorboard_source import load_events, read_tensorboard_dir
-from gradtrack.report.wandb_source import read_wandb_offline
+from gradtrack.report.sources import read_tensorboard_dir, read_wandb_offline
 from gradtrack.sinks.memory import MemorySink
 from tests.conftest import assert_record_matches, reference_stats
 from tests.sinks import wandb_records

@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 from gradtrack.cli import read_run
-from gradtrack.report.compare import rank_layers
+from gradtrack.report.compare import first_divergence, rank_layers, summarise, to_json
 from gradtrack.report.data import RunData
-from gradtrack.report.divergence import first_divergence
-from gradtrack.report.summary import summarise, to_json
 from tests.report.conftest import NAN_LAYER, NAN_STEP, NUDGE_STEP, NUDGED_LAYER, ThreeRuns
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.report.compare import sentences, summarise, to_json
 from gradtrack.report.data import parse_alert_text
-from gradtrack.report.mlflow_source import read_mlflow_run
-from gradtrack.report.summary import sentences, summarise, to_json
+from gradtrack.report.sources import read_mlflow_run
 from gradtrack.sinks import MemorySink
 
 NAN_AT = 6

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from gradtrack.report import plots
+from gradtrack.report.compare import first_divergence
 from gradtrack.report.data import Alert, RunData
-from gradtrack.report.divergence import first_divergence
 from gradtrack.report.render import render_report
 from tests.report.conftest import NAN_STEP, ThreeRuns
 from tests.report.test_compare import chromium_console

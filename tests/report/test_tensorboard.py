@@ -117,7 +117,7 @@ def test_report_of_a_tensorboard_run(both: dict[str, Any], tmp_path: Path) -> No
 
 def test_a_folder_without_event_files_is_not_read_as_tensorboard(tmp_path: Path) -> None:
     from gradtrack.errors import GradtrackError
-    from gradtrack.report.tensorboard_source import read_tensorboard_dir
+    from gradtrack.report.sources import read_tensorboard_dir
 
     with pytest.raises(GradtrackError, match="is not a TensorBoard log dir"):
         read_tensorboard_dir(tmp_path)

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from gradtrack.formats.event import AlertEvent
-from gradtrack.formats.keys import metric_key
-from gradtrack.formats.metrics import scalar_metrics
+from gradtrack.formats.metrics import metric_key, scalar_metrics
 from tests.conftest import SmallCNN
 from tests.scenarios import models as m
 from tests.test_layers import Heads

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradtrack.formats.wandb_steps import read_dir
+from gradtrack.formats.wandb import read_dir
 from gradtrack.sinks import MemorySink
 from tests.sinks.test_tensorboard import NAN_STEP, STEPS, events, scalars, train
 

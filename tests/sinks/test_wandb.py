@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.formats.wandb_steps import read_dir, read_parts
+from gradtrack.formats.wandb import read_dir, read_parts
 from gradtrack.sinks import MemorySink, WandbSink
 from tests.conftest import NoUpdate, SmallCNN, Told, cnn_batch, watch_without
 from tests.sinks.wandb_records import (

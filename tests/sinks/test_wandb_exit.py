@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gradtrack.report.wandb_source import read_wandb_offline
+from gradtrack.report.sources import read_wandb_offline
 from tests.sinks.wandb_records import history, of_type, read_records, run_dirs, run_python
 
 pytest.importorskip("wandb")

@@ -15,7 +15,7 @@ from torch import nn
 
 import gradtrack
 from gradtrack.config import DeliveryOptions
-from gradtrack.report.wandb_source import read_wandb_offline
+from gradtrack.report.sources import read_wandb_offline
 from gradtrack.sinks import MemorySink
 from tests.sinks.wandb_records import history, read_records, run_dirs
 
