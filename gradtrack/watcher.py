@@ -34,8 +34,7 @@ from gradtrack.capture.stepper import step_path
 from gradtrack.config import GradtrackConfig
 from gradtrack.errors import GradtrackError
 from gradtrack.formats.event import AlertEvent
-from gradtrack.handoff.drops import DropCount
-from gradtrack.handoff.mailbox import Mailbox
+from gradtrack.handoff.mailbox import DropCount, Mailbox
 from gradtrack.lifecycle import Outcome, outcome_of
 from gradtrack.log import logger, report
 from gradtrack.sinks import finish_in_caller_thread

@@ -15,8 +15,8 @@ from gradtrack.capture.collect import Collector
 from gradtrack.capture.layers import discover_layers
 from gradtrack.capture.verdict import BadStepLatch
 from gradtrack.config import GradtrackConfig
-from gradtrack.handoff.evidence import StepEvidence
-from gradtrack.handoff.pending import PendingStep
+from gradtrack.handoff.layout import StepEvidence
+from gradtrack.handoff.mailbox import PendingStep
 from gradtrack.worker.assemble import Assembler
 
 

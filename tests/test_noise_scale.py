@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from pydantic import ValidationError
 
 import gradtrack
-from gradtrack.delivery.codec import decode, encode
+from gradtrack.delivery.spool import decode, encode
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.sinks import MemorySink
 from gradtrack.worker.noise_scale import NoiseScale

@@ -121,7 +121,7 @@ def test_the_close_progress_line_names_what_it_waits_for(
     """A tight loop at log_every=1 into MLflow's store, closed with steps still to deliver: each
     progress line names the kinds left and their counts, or, with every item delivered, what
     the sink is doing — never "0 item(s) left" with a rate and a time to go."""
-    from gradtrack.delivery import progress
+    from gradtrack.delivery import courier as progress
 
     monkeypatch.setattr(progress, "_LINE_EVERY_S", 0.2)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))

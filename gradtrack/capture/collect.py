@@ -36,8 +36,7 @@ from gradtrack.capture.stats import (
 )
 from gradtrack.capture.zero import PartitionGrads, full_numel
 from gradtrack.formats.histogram import split_in_proportion
-from gradtrack.handoff.evidence import EvidenceLayout, StepEvidence
-from gradtrack.handoff.layout import HostPart, TensorIndex
+from gradtrack.handoff.layout import EvidenceLayout, HostPart, StepEvidence, TensorIndex
 
 _LAYOUT = operator.attrgetter("layout")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

@@ -20,8 +20,7 @@ from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe
 from gradtrack.capture.verdict import StepPlan
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.event import AlertEvent
-from gradtrack.handoff.mailbox import Mailbox
-from gradtrack.handoff.pending import PendingStep, Reply, UpdateFollowUp
+from gradtrack.handoff.mailbox import Mailbox, PendingStep, Reply, UpdateFollowUp
 
 OnError = Callable[[int, Exception], None]
 

@@ -26,8 +26,7 @@ from gradtrack.capture.distributed import RankGroup, is_dtensor, local_tensor
 from gradtrack.capture.stats import DeviceIndex
 from gradtrack.errors import GradtrackError
 from gradtrack.formats.histogram import split_in_proportion
-from gradtrack.handoff.evidence import StepEvidence
-from gradtrack.handoff.layout import L2, LINF, RANK_FLAGS, TENSOR_COLUMNS, MeshPlaces
+from gradtrack.handoff.layout import L2, LINF, RANK_FLAGS, TENSOR_COLUMNS, MeshPlaces, StepEvidence
 
 SUPPORTED = "Shard, _StridedShard (FSDP2 over tensor parallel) and Replicate"
 # Told apart by name, so that importing gradtrack never imports torch.distributed.tensor.

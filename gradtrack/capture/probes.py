@@ -33,7 +33,7 @@ from gradtrack.capture.stats import accumulation_dtype, stored_values
 from gradtrack.capture.zero import PartitionGrads, is_engine, steppable, zero_optimizer, zero_stage
 from gradtrack.config import NoiseScaleOptions
 from gradtrack.errors import GradtrackError
-from gradtrack.handoff.evidence import StepEvidence
+from gradtrack.handoff.layout import StepEvidence
 from gradtrack.log import warn
 
 # Where a step ends: "auto" (see `Watcher`), "manual" (the owner calls `Watcher.end_step`),

@@ -1,32 +1,301 @@
-"""One delivery thread per sink: the worker hands calls over and never waits on a tracker.
+"""Delivery to the sinks: the `Outbox` the worker hands each batch's records and alerts to,
+one courier thread per sink behind it, and waiting for delivery while it makes progress, at
+close and in ``gradtrack sync`` (`wait_while_progressing`). The worker never waits on a
+tracker.
 
-A sink that blocks — a frozen server, a cold start importing its SDK and creating its store,
-a locked database — holds up only its own courier. A `TrackerSink` is delivered from the
-run's spool by a `SpooledCourier`: the spool is its only backlog, the courier its only retry
-loop, and its cursors move once `send` returned (the tracker holds the batch). Nothing is
-lost however long the tracker is away; only the spool's disk bound can drop. Any other sink
-(memory, console, W&B, your own) keeps its waiting steps in memory, bounded by ``capacity``
-steps, the oldest dropped and counted.
+The outbox decides once, per sink, how that sink is delivered to. A `TrackerSink` (MLflow)
+is delivered from the run's spool (`gradtrack.delivery.spool`: on disk, or in memory where
+it is off or cannot be made) by a `SpooledCourier`: the spool is its only backlog, the
+courier its only retry loop, and its cursors move once `send` returned (the tracker holds
+the batch). Nothing is lost however long the tracker is away; only the spool's disk bound
+can drop. Any other sink (memory, console, W&B, your own) has a `Courier` that keeps its
+waiting steps in memory, bounded by ``capacity`` steps, the oldest dropped and counted. A
+sink that blocks — a frozen server, a cold start importing its SDK and creating its store, a
+locked database — holds up only its own courier. At close, once every courier is done, the
+spool is removed if every sink has everything, else kept and named with the command that
+delivers the rest (`Outbox.sync_hint`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from gradtrack.delivery.spool import Item, Spool
+from gradtrack.config import GradtrackConfig
+from gradtrack.delivery.spool import Item, Spool, SpoolError, default_root
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.drops import DropCount
-from gradtrack.log import report
+from gradtrack.handoff.mailbox import DropCount
+from gradtrack.lifecycle import Outcome
+from gradtrack.log import logger, report
 from gradtrack.sinks.base import GradientSink, TrackerSink, as_sink_base
 
-_Call = tuple[str, tuple[Any, ...], "threading.Event | None"]
+
+class Outbox:
+    """Every sink's courier, and the run's spool where a tracker sink needs one. ``queued``
+    counts the steps still waiting for the worker: they are left to deliver too (the close
+    progress line names them). Its methods are called on the worker's thread, except
+    `wait` and `sync_hint` (the thread that flushes or closes the watcher); none waits on a
+    sink."""
+
+    def __init__(
+        self,
+        sinks: Sequence[GradientSink],
+        config: GradtrackConfig,
+        drops: DropCount,
+        queued: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.drops = drops
+        self._queued = queued
+        ids = [sink_id(i, sink) for i, sink in enumerate(sinks)]
+        trackers = {
+            key: sink for key, sink in zip(ids, sinks) if isinstance(sink, TrackerSink)
+        }  # the one place a sink's kind is asked
+        self.spool = open_spool(trackers, config)
+        capacity = config.delivery.sink_buffer_steps
+        self.couriers: list[SinkCourier] = []
+        for key, sink in zip(ids, sinks):
+            tracker = trackers.get(key)
+            if tracker is not None and self.spool is not None:
+                self.couriers.append(SpooledCourier(tracker, self.spool, key, report))
+            else:
+                self.couriers.append(Courier(sink, capacity, drops, report))
+        self._patience_s = config.flush_timeout_s
+        self._sync_told = False  # the sync command was named already
+
+    @property
+    def sinks(self) -> list[GradientSink]:
+        return [courier.sink for courier in self.couriers]
+
+    @property
+    def sink_errors(self) -> list[int]:
+        return [courier.errors for courier in self.couriers]
+
+    def hand_over(self, records: list[StepRecord], events: list[AlertEvent]) -> None:
+        """A batch's records, then its alerts: into the spool, then to every courier."""
+        if self.spool is not None and (records or events):
+            self._append(self.spool, records, events)
+        for courier in self.couriers:
+            courier.hand_over(records, events)
+
+    def _append(self, spool: Spool, records: list[StepRecord], events: list[AlertEvent]) -> None:
+        items: list[StepRecord | AlertEvent] = [*records, *events]
+        try:
+            seqs = spool.append(items)
+        except Exception as exc:  # a full disk: counted as lost, told once, never raised
+            seqs = [None] * len(items)
+            reason = f"the spool at {spool.path or 'memory'} cannot be written ({exc!r})"
+        else:
+            reason = (
+                f"the spool at {spool.path or 'memory'} holds {spool.max_bytes >> 20} MiB not "
+                "yet delivered, its bound (spool.mib)"
+            )
+        lost = sum(seq is None for seq, item in zip(seqs, items) if isinstance(item, StepRecord))
+        if lost:
+            self.drops.add(lost, reason)
+
+    def finish(self, done: threading.Event, closing: Outcome | None = None) -> None:
+        """Have every sink flush after what it was handed — and with ``closing`` (how
+        training ended) then close — and set ``done`` once all have: waited for on a thread
+        of its own, so that a sink stuck on its tracker never holds up the worker."""
+        if closing is not None and self.spool is not None:
+            self.spool.note_outcome(closing)
+        finished = []
+        for courier in self.couriers:
+            finished.append(courier.request_flush(self._patience_s))
+            if closing is not None:  # the sink's outcome is set on its courier's thread
+                finished.append(courier.request_close(closing, self._patience_s))
+
+        def wait() -> None:
+            for event in finished:
+                event.wait()
+            if closing is not None and self.spool is not None:
+                self._release_spool(self.spool)
+            done.set()
+
+        threading.Thread(target=wait, name="gradtrack-flush", daemon=True).start()
+
+    def wait(self, done: threading.Event, timeout_s: float) -> bool:
+        """Wait for ``done`` (a `finish`'s) while delivery progresses: False once it made
+        none for ``timeout_s`` (an outage). Ctrl-C here says where the rest waits."""
+        what = "delivering to " + ", ".join(type(sink).__name__ for sink in self.sinks)
+        try:
+            return wait_while_progressing(
+                done,
+                self.left,
+                timeout_s,
+                what,
+                busy=self._starting,
+                waiting_for=self.describe_left,
+            )
+        except KeyboardInterrupt:
+            if self.spool is not None and self.spool.path is not None:
+                report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
+            raise
+
+    def left(self) -> int:
+        """Steps and alerts not yet delivered: waiting for the worker, or in the spool."""
+        return self._queued() + max((c.left for c in self.couriers), default=0)
+
+    def describe_left(self) -> str:
+        """What delivery still waits for, by kind and count (the progress line's words)."""
+        waiting = self._queued()
+        parts = [f"{waiting:,} step(s) not yet summarised"] if waiting else []
+        named = len(self.couriers) > 1
+        for courier in self.couriers:
+            told = courier.describe_left()
+            if told:
+                parts.append(f"{type(courier.sink).__name__} {told}" if named else told)
+        return "; ".join(parts)
+
+    def _starting(self) -> bool:
+        return any(c.starting and c.left for c in self.couriers)
+
+    def _release_spool(self, spool: Spool) -> None:
+        """Delete the spool once every sink confirmed it; else keep it and say how to sync."""
+        left = spool.undelivered()
+        spool.close()
+        if left == 0:
+            spool.remove()
+        elif not self._sync_told:
+            self._sync_told = True
+            hint = self.sync_hint()
+            report(f"gradtrack could not deliver to every tracker before closing; {hint}")
+
+    def sync_hint(self) -> str:
+        """Where undelivered items wait, and the command that delivers them."""
+        if self.spool is None or self.spool.path is None:
+            return "steps still queued are lost with this process (the spool is off)"
+        self._sync_told = True
+        path = self.spool.path
+        return (
+            f"{self.left():,} item(s) (steps and alerts) not yet delivered are kept in {path}; "
+            f"deliver them with: gradtrack sync {path}"
+        )
+
+
+def sink_id(index: int, sink: GradientSink) -> str:
+    """The name a sink's cursor has in the spool, e.g. ``0-MlflowSink``."""
+    return f"{index}-{type(sink).__name__}"
+
+
+def open_spool(trackers: dict[str, TrackerSink], config: GradtrackConfig) -> Spool | None:
+    """The run's spool for the tracker sinks (id → sink), None without one: on disk if
+    ``config.spool.enabled`` and it can be created there (else that is reported), in memory
+    otherwise."""
+    if not trackers:
+        return None
+    targets: dict[str, dict[str, Any]] = {
+        key: sink.spool_target() for key, sink in trackers.items()
+    }
+    limit = config.spool.mib << 20
+    if config.spool.enabled:
+        root = config.spool.dir or default_root()
+        try:
+            return Spool.create(root, config.model_name or "run", targets, limit)
+        except (OSError, SpoolError) as exc:
+            report(
+                f"gradtrack could not create its spool under {root} ({exc!r}); steps wait "
+                "in memory instead (set spool.dir or GRADTRACK_SPOOL_DIR to a writable folder)"
+            )
+    return Spool.in_memory(targets, limit)
+
+
+_LINE_EVERY_S = 5.0
+
+
+def wait_while_progressing(
+    done: threading.Event,
+    left: Callable[[], int],
+    patience_s: float,
+    what: str,
+    busy: Callable[[], bool] = lambda: False,
+    line_every_s: float | None = None,
+    waiting_for: Callable[[], str] | None = None,
+) -> bool:
+    """Wait for ``done``; True once set. False once ``left()`` (items still to deliver) has
+    not gone down for ``patience_s`` while not ``busy()`` (a first connection under way: an
+    SDK's import, a store's creation). While waiting longer than ``line_every_s`` (5 s), logs
+    ``what``'s progress every ``line_every_s``: what it waits for (``waiting_for()``: the
+    kinds of item left and their counts, or the sink's own last step), rate, time to go."""
+    every_s = _LINE_EVERY_S if line_every_s is None else line_every_s
+    start = last_line = time.monotonic()
+    fewest = first = _safe(left)
+    progress_at = start
+    while not done.wait(min(0.25, patience_s)):
+        now = time.monotonic()
+        count = _safe(left)
+        if count < fewest or _safe(busy):
+            fewest, progress_at = min(count, fewest), now
+        if now - progress_at > patience_s:
+            return done.is_set()
+        if now - last_line >= every_s:
+            last_line = now
+            detail = _safe_text(waiting_for) if waiting_for is not None else None
+            line = progress_line(what, count, first - count, now - start, detail)
+            logger.info("%s", line)
+    return True
+
+
+def progress_line(
+    what: str, left: int, delivered: int, elapsed_s: float, detail: str | None = None
+) -> str:
+    """``delivering to MLflow: 2,340 item(s) left, 850/s, about 3 s to go``; ``detail``
+    says what is left instead of the bare count (and, with nothing left, what is waited for).
+
+    >>> progress_line("delivering to MLflow", 2340, 8500, 10.0)
+    'delivering to MLflow: 2,340 item(s) left, 850/s, about 3 s to go'
+    >>> progress_line("delivering to MLflow", 10, 0, 10.0)
+    'delivering to MLflow: 10 item(s) left, none delivered for 10 s'
+    >>> progress_line("delivering to MLflow", 0, 4000, 20.0, "ending its run")
+    'delivering to MLflow: every item delivered, ending its run, for 20 s'
+    """
+    if left == 0:
+        waited = detail or "the sinks finishing"
+        return f"{what}: every item delivered, {waited}, for {elapsed_s:.0f} s"
+    told = detail or f"{left:,} item(s)"
+    rate = delivered / elapsed_s if elapsed_s > 0 else 0.0
+    if rate <= 0:
+        return f"{what}: {told} left, none delivered for {elapsed_s:.0f} s"
+    return f"{what}: {told} left, {rate:,.0f}/s, about {max(1.0, left / rate):,.0f} s to go"
+
+
+def _safe_text(read: Callable[[], str]) -> str | None:
+    try:
+        return read() or None
+    except Exception:  # a closed spool: the count alone
+        return None
+
+
+def _safe(read: Callable[[], int]) -> int:
+    try:
+        return int(read())
+    except Exception:  # a closed spool: nothing more to count
+        return 0
+
+
+@dataclass
+class CourierCall:
+    """One call posted to a courier, made on its thread in the order posted: ``write`` a
+    batch of ``records``, ``alert`` an ``event``, ``flush``, or ``close`` (the sink told how
+    training ended first: ``outcome``, None to leave it as it is). A spooled courier makes a
+    flush or close once every item through seq ``through`` went, or once ``patience_s``
+    passed without a send going through. ``done`` is set once the call returned."""
+
+    method: Literal["write", "alert", "flush", "close"]
+    records: list[StepRecord] = field(default_factory=list)
+    event: AlertEvent | None = None
+    outcome: str | None = None
+    through: int = 0
+    patience_s: float = math.inf
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class SinkCourier(ABC):
@@ -42,7 +311,7 @@ class SinkCourier(ABC):
         self.errors = 0
         self._name = type(sink).__name__
         self._on_error = on_error
-        self._calls: deque[_Call] = deque()
+        self._calls: deque[CourierCall] = deque()
         self._changed = threading.Condition()
         self._thread = threading.Thread(
             target=self._run, name=f"gradtrack-{self._name}", daemon=True
@@ -108,11 +377,7 @@ class Courier(SinkCourier):
         on_error: Callable[[str], None],
     ) -> None:
         super().__init__(sink, on_error)
-        target = self._sink_base = as_sink_base(sink)
-        self._methods: dict[str, Callable[..., object]] = {
-            "write": target.write, "alert": target.alert, "flush": target.flush,
-            "close": self._close,
-        }  # fmt: skip
+        self._sink_base = as_sink_base(sink)
         self._capacity = capacity
         self._drops = drops
         self._steps = 0  # records waiting in write calls
@@ -133,39 +398,48 @@ class Courier(SinkCourier):
             self.alert(event)
 
     def request_flush(self, patience_s: float) -> threading.Event:
-        return self.post("flush")
+        return self.post(CourierCall("flush"))
 
     def request_close(self, outcome: str, patience_s: float) -> threading.Event:
-        return self.post("close", outcome)
+        return self.post(CourierCall("close", outcome=outcome))
 
-    def _close(self, outcome: str) -> None:
-        self._sink_base.outcome = outcome
-        self._sink_base.close()
-
-    def post(self, method: str, *args: Any) -> threading.Event:
-        """Queue the sink's ``method`` (write, alert, flush, or close with the run's outcome);
-        the event is set once it has returned."""
-        done = threading.Event()
+    def post(self, call: CourierCall) -> threading.Event:
+        """Queue ``call``; its event is set once the sink's method has returned."""
         with self._changed:
-            self._calls.append((method, args, done))
+            self._calls.append(call)
             self._changed.notify_all()
-        return done
+        return call.done
 
     def write(self, batch: Sequence[StepRecord]) -> None:
         with self._changed:
-            self._calls.append(("write", (list(batch),), None))
+            self._calls.append(CourierCall("write", records=list(batch)))
             self._steps += len(batch)
             self._trim()
             self._changed.notify_all()
 
     def alert(self, event: AlertEvent) -> None:
-        self.post("alert", event)
+        self.post(CourierCall("alert", event=event))
+
+    def _make(self, call: CourierCall) -> None:
+        """The sink's method a call names, on this courier's thread."""
+        sink = self._sink_base
+        if call.method == "write":
+            sink.write(call.records)
+        elif call.method == "alert":
+            assert call.event is not None
+            sink.alert(call.event)
+        elif call.method == "flush":
+            sink.flush()
+        else:
+            if call.outcome is not None:
+                sink.outcome = call.outcome
+            sink.close()
 
     def _trim(self) -> None:
         """Past ``capacity`` waiting steps, drop the oldest (never a flush, alert or close)."""
         while self._steps > self._capacity:
-            index = next(i for i, call in enumerate(self._calls) if call[0] == "write")
-            batch = self._calls[index][1][0]
+            index = next(i for i, call in enumerate(self._calls) if call.method == "write")
+            batch = self._calls[index].records
             batch.pop(0)
             self._steps -= 1
             if not batch:
@@ -181,23 +455,28 @@ class Courier(SinkCourier):
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: bool(self._calls))
-                method, args, done = self._calls.popleft()
-                if method == "write":
-                    self._steps -= len(args[0])
-            self._call(method, self._methods[method], *args)
-            if done is not None:
-                done.set()
-            if method == "close":
+                call = self._calls.popleft()
+                if call.method == "write":
+                    self._steps -= len(call.records)
+            self._call(call.method, self._make, call)
+            call.done.set()
+            if call.method == "close":
                 return
+
+
+_ALERT_WAIT_S = 1.0  # an alert waits at most this long for company
 
 
 class _Lane:
     """One stream of a tracker sink's items from the spool, with a cursor of its own: every
     item (records and alerts, to `send`), or the records that carry histograms (to
-    `send_histograms`)."""
+    `send_histograms`); when its next batch is due, and what waits on it."""
 
-    def __init__(self, spool: Spool, cursor: str, histograms: bool, batch: int) -> None:
+    def __init__(
+        self, spool: Spool, cursor: str, histograms: bool, batch: int, sink: TrackerSink
+    ) -> None:
         self.spool, self.cursor, self.histograms, self.batch = spool, cursor, histograms, batch
+        self.sink = sink  # (its waits: gather_s, histogram_wait_s)
         spool.add_cursor(cursor)
         self.position = spool.cursor(cursor)  # every item through it is delivered
         self.pending: list[Item] | None = None  # the batch being sent (again, after a failure)
@@ -217,18 +496,30 @@ class _Lane:
             self.position = through
             self.spool.confirm(self.cursor, through)
 
+    def due_in(self, count: int, alerts: int, now: float, last_sent: float) -> float:
+        """Seconds until ``count`` waiting items (``alerts`` of them alerts) are due to go:
+        a full batch at once; histograms ``histogram_wait_s`` after they were first seen
+        waiting; an alert ``_ALERT_WAIT_S``, anything else ``gather_s``, after the last send."""
+        if count >= self.batch:
+            return 0.0
+        assert self.waiting_since is not None
+        if self.histograms:
+            return self.waiting_since + self.sink.histogram_wait_s - now
+        if alerts:
+            return last_sent + _ALERT_WAIT_S - now
+        return last_sent + self.sink.gather_s - now
+
+    def left(self) -> str:
+        """What waits on this lane: steps of metrics and alerts, or steps of histograms."""
+        count, alerts = self.spool.waiting(self.position, self.spool.last_seq, self.histograms)
+        if self.histograms:
+            return f"{count:,} step(s) of histograms" if count else ""
+        told = [f"{count - alerts:,} step(s) of metrics"] if count > alerts else []
+        return ", ".join(told + ([f"{alerts:,} alert(s)"] if alerts else []))
+
 
 # What a tracker sink does in a posted call, for the progress line.
 _DOING = {"close": "ending its run (its last pictures and files)", "flush": "flushing its tracker"}
-
-
-def _lane_left(spool: Spool, lane: _Lane) -> str:
-    """What waits on one lane: steps of metrics and alerts, or steps of histograms."""
-    count, alerts = spool.waiting(lane.position, spool.last_seq, lane.histograms)
-    if lane.histograms:
-        return f"{count:,} step(s) of histograms" if count else ""
-    told = [f"{count - alerts:,} step(s) of metrics"] if count > alerts else []
-    return ", ".join(told + ([f"{alerts:,} alert(s)"] if alerts else []))
 
 
 class SpooledCourier(SinkCourier):
@@ -237,7 +528,6 @@ class SpooledCourier(SinkCourier):
     the sink's ``retry_max_s``), the outage warned about once; the spool holds everything
     meanwhile. Calls posted (flush, close) run once every item appended before them went."""
 
-    _ALERT_WAIT_S = 1.0  # an alert waits at most this long for company
     _IDLE_S = 0.5
 
     def __init__(
@@ -250,9 +540,10 @@ class SpooledCourier(SinkCourier):
     ) -> None:
         super().__init__(sink, on_error)
         self.spool, self.sink_id, self._tracker = spool, sink_id, sink
-        self._lanes = [_Lane(spool, sink_id, False, sink.batch_items)]
+        self._lanes = [_Lane(spool, sink_id, False, sink.batch_items, sink)]
         if sink.histogram_steps > 0:
-            self._lanes.append(_Lane(spool, f"{sink_id}/histograms", True, sink.histogram_steps))
+            cursor = f"{sink_id}/histograms"
+            self._lanes.append(_Lane(spool, cursor, True, sink.histogram_steps, sink))
         self._available = spool.last_seq  # appended items the worker has announced
         self._last_sent = -float("inf")
         self._backoff_s = 0.0
@@ -264,7 +555,7 @@ class SpooledCourier(SinkCourier):
         self.broken: str | None = None  # why delivery stopped for good (an unreadable spool)
         self._opened = False
         self._starting = True  # the first send (an SDK's import, a run's creation) is under way
-        self._waiting_for: _Call | None = None  # the flush or close delivery is waited for
+        self._waiting_for: CourierCall | None = None  # the flush or close delivery is waited for
         self._ending: str | None = None  # what the sink does in a flush or close under way
         self._waiting_since = 0.0
         self._target = self._safe_target()
@@ -290,14 +581,21 @@ class SpooledCourier(SinkCourier):
     def request_close(self, outcome: str, patience_s: float) -> threading.Event:
         return self.post_after("close", patience_s, outcome)
 
-    def post_after(self, method: str, *args: Any) -> threading.Event:
-        """Queue ``"flush"`` or ``"close"`` (args: ``patience_s`` and, for close, the run's
-        outcome), to run once every item announced so far was delivered."""
-        done = threading.Event()
+    def post_after(
+        self,
+        method: Literal["flush", "close"],
+        patience_s: float = math.inf,
+        outcome: str | None = None,
+    ) -> threading.Event:
+        """Queue a flush or a close (with the run's ``outcome``), to run once every item
+        announced so far was delivered, or ``patience_s`` passed without progress."""
         with self._changed:
-            self._calls.append((method, (self._available, *args), done))
+            call = CourierCall(
+                method, outcome=outcome, through=self._available, patience_s=patience_s
+            )
+            self._calls.append(call)
             self._changed.notify_all()
-        return done
+        return call.done
 
     def run_here(self) -> None:
         """Run the delivery loop on the calling thread (``gradtrack sync``)."""
@@ -312,26 +610,25 @@ class SpooledCourier(SinkCourier):
             self._on_error(f"gradtrack stopped delivering to {self._name}: {exc}")
             with self._changed:
                 calls, self._calls = list(self._calls), deque()
-            for _, _, done in calls:
-                if done is not None:
-                    done.set()
+            for call in calls:
+                call.done.set()
 
     def _serve(self) -> None:
         while True:
             with self._changed:
                 call = self._calls[0] if self._calls else None
-                through = self._available if call is None else call[1][0]
+                through = self._available if call is None else call.through
             wait_s = self._deliver(through, forced=call is not None)
             if wait_s is None:
                 continue  # sent something: look again at once
             if call is not None and all(lane.position >= through for lane in self._lanes):
                 self._run_call(call, complete=True)
-                if call[0] == "close":
+                if call.method == "close":
                     return
                 continue
             if call is not None and self._given_up(call):
                 self._run_call(call, complete=False)
-                if call[0] == "close":
+                if call.method == "close":
                     return
                 continue
             with self._changed:
@@ -355,7 +652,7 @@ class SpooledCourier(SinkCourier):
                 continue
             if lane.waiting_since is None:
                 lane.waiting_since = now
-            due_in = 0.0 if forced else self._due_in(lane, count, alerts, now)
+            due_in = 0.0 if forced else lane.due_in(count, alerts, now, self._last_sent)
             if due_in > 0:
                 waits.append(due_in)
             elif self._send(lane, through):
@@ -363,17 +660,6 @@ class SpooledCourier(SinkCourier):
             else:
                 return max(0.0, self._retry_at - time.monotonic())
         return None if sent else min(waits)
-
-    def _due_in(self, lane: _Lane, count: int, alerts: int, now: float) -> float:
-        sink = self._tracker
-        if count >= lane.batch:
-            return 0.0
-        assert lane.waiting_since is not None
-        if lane.histograms:
-            return lane.waiting_since + sink.histogram_wait_s - now
-        if alerts:
-            return self._last_sent + self._ALERT_WAIT_S - now
-        return self._last_sent + sink.gather_s - now
 
     def _send(self, lane: _Lane, through: int) -> bool:
         items = lane.read(through)
@@ -422,29 +708,26 @@ class SpooledCourier(SinkCourier):
         self._backoff_s, self._retry_at = 0.0, 0.0
         self._outage = self.stalled = False
 
-    def _given_up(self, call: _Call) -> bool:
+    def _given_up(self, call: CourierCall) -> bool:
         """A flush or close stops waiting for delivery when the tracker refuses (waiting does
         not help), or after the call's ``patience_s`` without a send going through (an
         outage; the spool keeps the rest for `gradtrack sync`)."""
         if self._waiting_for is not call:
             self._waiting_for, self._waiting_since = call, time.monotonic()
-        patience_s = call[1][1] if len(call[1]) > 1 else float("inf")
         quiet_since = max(self._waiting_since, self._progress_at)
-        return self.stalled or time.monotonic() - quiet_since > patience_s
+        return self.stalled or time.monotonic() - quiet_since > call.patience_s
 
-    def _run_call(self, call: _Call, complete: bool) -> None:
-        method, _, done = call
-        self._ending = _DOING[method]  # (said from before it leaves the queue until it is done)
+    def _run_call(self, call: CourierCall, complete: bool) -> None:
+        self._ending = _DOING[call.method]  # (said from before it leaves the queue until done)
         with self._changed:
             self._calls.popleft()
         self._waiting_for = None
         try:
-            if method == "close":
-                self._call("end", self._end, complete, *call[1][2:])
+            if call.method == "close":
+                self._call("end", self._end, complete, call.outcome)
             else:
-                self._call(method, self._tracker.flush)
-            if done is not None:
-                done.set()
+                self._call(call.method, self._tracker.flush)
+            call.done.set()
         finally:
             self._ending = None
 
@@ -453,11 +736,11 @@ class SpooledCourier(SinkCourier):
         sink does once every item went (``ending its run (...)``)."""
         if self._ending is not None:
             return self._ending
-        told = ", ".join(filter(None, (_lane_left(self.spool, lane) for lane in self._lanes)))
+        told = ", ".join(filter(None, (lane.left() for lane in self._lanes)))
         if told:
             return told
         try:  # every item went and the flush or close is next: it is what the sink waits on
-            return _DOING.get(self._calls[0][0], "")
+            return _DOING.get(self._calls[0].method, "")
         except IndexError:
             return ""
 
@@ -481,21 +764,6 @@ class SpooledCourier(SinkCourier):
     @property
     def left(self) -> int:
         return max(0, self.spool.last_seq - min(lane.position for lane in self._lanes))
-
-
-def courier_for(
-    sink: GradientSink,
-    spool: Spool | None,
-    sink_id: str,
-    capacity: int,
-    drops: DropCount,
-    on_error: Callable[[str], None],
-) -> SinkCourier:
-    """A `TrackerSink`'s courier reads the run's spool (as ``sink_id``); any other sink's
-    keeps at most ``capacity`` steps in memory."""
-    if spool is not None and isinstance(sink, TrackerSink):
-        return SpooledCourier(sink, spool, sink_id, on_error)
-    return Courier(sink, capacity, drops, on_error)
 
 
 def yield_cpu_to_training() -> None:

@@ -13,9 +13,16 @@ On disk, one folder per run::
                  (name → last confirmed seq), meta (version, sinks, outcome)
     spool.lock   held while a process uses the spool
 
-Item bodies are `gradtrack.delivery.codec`'s JSON-plus-arrays: reading a spool runs no code
-from it. Items every cursor has passed are deleted; a run whose sinks confirmed everything
-leaves nothing behind. Past ``max_bytes`` of undelivered items new items are dropped and
+An item's body is JSON for its fields and raw bytes for its arrays (`encode`, `decode`): a
+format that runs nothing when read. One body is ``<u32 header length><JSON header><array
+bytes …>``. The header names the kind (``"record"`` or ``"alert"``) and the fields; an array
+is ``{"@array": i}``, the i-th entry of the header's ``arrays`` list (dtype, shape, byte
+length), its bytes following in order. Reading checks every field's name against the
+dataclass and every dtype against a short list of plain numeric ones: a crafted or corrupted
+item raises `CodecError`, it never builds anything else.
+
+Items every cursor has passed are deleted; a run whose sinks confirmed everything leaves
+nothing behind. Past ``max_bytes`` of undelivered items new items are dropped and
 counted: the only way the spool loses anything.
 
 A spool may also live in memory (``path=None``): the same backlog and delivery for a run
@@ -24,13 +31,16 @@ whose spool is off or could not be made, lost with the process.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
+import math
 import os
 import re
 import shutil
 import sqlite3
+import struct
 import threading
 import time
 from collections.abc import Iterable
@@ -38,8 +48,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradtrack.delivery.codec import CodecError, Payload, decode, encode
-from gradtrack.formats.record import StepRecord as _Record
+import numpy as np
+
+from gradtrack.formats.event import AlertEvent
+from gradtrack.formats.flight import FlightWindow
+from gradtrack.formats.histogram import Histogram
+from gradtrack.formats.record import StepRecord
 
 FORMAT_VERSION = 2
 DB_FILE = "spool.db"
@@ -65,6 +79,20 @@ def default_root() -> Path:
 def is_spool(path: Path) -> bool:
     """A spool folder: it holds the spool's database."""
     return (path / DB_FILE).exists()
+
+
+_HEADER = struct.Struct("<I")
+_DTYPES = frozenset({"<f8", "<f4", "<f2", "<i8", "<i4", "<u1", "|b1", "|u1"})
+_RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(StepRecord))
+_HISTOGRAM_FIELDS = frozenset(field.name for field in dataclasses.fields(Histogram))
+_WINDOW_FIELDS = frozenset(field.name for field in dataclasses.fields(FlightWindow))
+
+
+class CodecError(ValueError):
+    """An item that is not one gradtrack wrote."""
+
+
+Payload = StepRecord | AlertEvent
 
 
 @dataclass(frozen=True)
@@ -106,8 +134,8 @@ class Spool:
             self._check_version()
             self._bytes = self._scalar("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM items")
             self._last_seq = self._scalar("SELECT COALESCE(MAX(seq), 0) FROM items")
-            self._last_seq = max(self._last_seq, self._scalar(
-                "SELECT COALESCE(MAX(seq), 0) FROM cursors"))  # fmt: skip
+            confirmed = self._scalar("SELECT COALESCE(MAX(seq), 0) FROM cursors")
+            self._last_seq = max(self._last_seq, confirmed)
         except sqlite3.DatabaseError as exc:
             self._release_lock()
             raise SpoolError(f"{path} is not a readable gradtrack spool ({exc})") from None
@@ -157,8 +185,8 @@ class Spool:
                         seqs.append(None)
                         continue
                     seq = self._last_seq + 1
-                    kind = "alert" if not isinstance(payload, _Record) else "record"
-                    histograms = int(isinstance(payload, _Record) and bool(payload.histograms))
+                    kind = "alert" if not isinstance(payload, StepRecord) else "record"
+                    histograms = int(isinstance(payload, StepRecord) and bool(payload.histograms))
                     self._db.execute(
                         "INSERT INTO items VALUES (?, ?, ?, ?)", (seq, kind, histograms, body)
                     )
@@ -323,3 +351,124 @@ def _hold_lock(path: Path) -> io.TextIOWrapper | None:
         handle.close()
         raise SpoolError(f"{path} is in use by another process (a run still delivering)") from None
     return handle
+
+
+# -- an item's body: JSON for its fields, raw bytes for its arrays -------------------------
+def encode(payload: Payload) -> bytes:
+    """One item's bytes (`decode` reads them back equal)."""
+    arrays: list[np.ndarray] = []
+    if isinstance(payload, AlertEvent):
+        header: dict[str, Any] = {"kind": "alert", "event": payload.model_dump(mode="json")}
+    else:
+        fields = {
+            field.name: getattr(payload, field.name) for field in dataclasses.fields(StepRecord)
+        }
+        fields["histograms"] = {
+            layer: {
+                "edges": h.edges,
+                "counts": h.counts,
+                "scale": h.scale,
+                "zeros": h.zeros,
+            }
+            for layer, h in payload.histograms.items()
+        }
+        if payload.flight is not None:
+            fields["flight"] = {
+                field.name: getattr(payload.flight, field.name)
+                for field in dataclasses.fields(FlightWindow)
+            }
+        header = {"kind": "record", "fields": _to_json(fields, arrays)}
+    header["arrays"] = [[a.dtype.str, list(a.shape), a.nbytes] for a in arrays]
+    text = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+    return b"".join([_HEADER.pack(len(text)), text, *(a.tobytes() for a in arrays)])
+
+
+def decode(data: bytes) -> Payload:
+    """The item ``data`` holds; `CodecError` for anything gradtrack did not write."""
+    try:
+        (length,) = _HEADER.unpack_from(data)
+        header = json.loads(data[_HEADER.size : _HEADER.size + length])
+        arrays = _read_arrays(header["arrays"], data, _HEADER.size + length)
+        if header["kind"] == "alert":
+            return AlertEvent.model_validate(header["event"])
+        if header["kind"] != "record":
+            raise CodecError(f"unknown item kind {header['kind']!r}")
+        fields = _from_json(header["fields"], arrays)
+        unknown = set(fields) - _RECORD_FIELDS
+        if unknown:
+            raise CodecError(f"unknown record fields {sorted(unknown)}")
+        fields["histograms"] = {
+            layer: _histogram(value) for layer, value in fields.get("histograms", {}).items()
+        }
+        if fields.get("flight") is not None:
+            fields["flight"] = _window(fields["flight"])
+        for name in ("layers", "layer_metrics", "nonfinite_ranks", "nonfinite_rank_places"):
+            if isinstance(fields.get(name), list):
+                fields[name] = tuple(fields[name])
+        if isinstance(fields.get("nonfinite_weights"), list):
+            fields["nonfinite_weights"] = tuple(fields["nonfinite_weights"])
+        return StepRecord(**fields)
+    except CodecError:
+        raise
+    except Exception as exc:  # truncated, not JSON, wrong types: all the same to a reader
+        raise CodecError(f"not an item gradtrack wrote ({type(exc).__name__}: {exc})") from None
+
+
+def _histogram(value: Any) -> Histogram:
+    if not isinstance(value, dict) or set(value) - _HISTOGRAM_FIELDS:
+        raise CodecError("a histogram with unknown fields")
+    return Histogram(**value)
+
+
+def _window(value: Any) -> FlightWindow:
+    if not isinstance(value, dict) or set(value) - _WINDOW_FIELDS:
+        raise CodecError("a flight window with unknown fields")
+    return FlightWindow(**{**value, "layers": tuple(value["layers"])})
+
+
+def _to_json(value: Any, arrays: list[np.ndarray]) -> Any:
+    if isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)
+        if array.dtype.str not in _DTYPES:
+            array = array.astype(np.float64)
+        arrays.append(array)
+        return {"@array": len(arrays) - 1}
+    if isinstance(value, dict):
+        return {str(key): _to_json(item, arrays) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(item, arrays) for item in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"@float": repr(value)}  # JSON has no NaN/Inf: keep them exact
+    return value
+
+
+def _from_json(value: Any, arrays: list[np.ndarray]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"@array"}:
+            return arrays[int(value["@array"])]
+        if set(value) == {"@float"}:
+            text = value["@float"]
+            if text not in ("nan", "inf", "-inf"):
+                raise CodecError(f"not a float: {text!r}")
+            return float(text)
+        return {key: _from_json(item, arrays) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_from_json(item, arrays) for item in value]
+    return value
+
+
+def _read_arrays(specs: Any, data: bytes, offset: int) -> list[np.ndarray]:
+    arrays = []
+    for dtype, shape, nbytes in specs:
+        if dtype not in _DTYPES:
+            raise CodecError(f"an array of dtype {dtype!r}")
+        chunk = data[offset : offset + int(nbytes)]
+        if len(chunk) != nbytes:
+            raise CodecError("an array cut short")
+        arrays.append(np.frombuffer(chunk, dtype=dtype).reshape(shape).copy())
+        offset += int(nbytes)
+    if offset != len(data):
+        raise CodecError("bytes after the last array")
+    return arrays

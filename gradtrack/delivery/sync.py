@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gradtrack.config.models import redact
-from gradtrack.delivery.courier import SpooledCourier
-from gradtrack.delivery.progress import wait_while_progressing
+from gradtrack.delivery.courier import SpooledCourier, wait_while_progressing
 from gradtrack.delivery.spool import Spool, SpoolError, is_spool
 from gradtrack.errors import GradtrackError
 from gradtrack.sinks.base import TrackerSink

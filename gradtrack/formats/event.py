@@ -45,7 +45,7 @@ class AlertEvent(BaseModel):
     # Within its rule's cooldown: not notified (sinks, logs, callbacks never see it), made
     # only so that a rule whose action is "raise" raises every time.
     silenced: bool = False
-    # An incident's first mover (`gradtrack.worker.first_mover`): the layer whose gradient norm left
+    # An incident's first mover (`gradtrack.worker.flight_log`): the layer whose gradient norm left
     # its own range first in the flight recorder's window, and the step its move began.
     first_mover: str | None = None
     first_mover_step: int | None = None

@@ -30,7 +30,7 @@ class FlightWindow:
     are not sent twice as series). ``incident``: the rule that fired (``nonfinite``,
     ``spike``, ``exploding``, a skip rule's name) or how training ended (``FAILED``,
     ``KILLED``). ``first_mover``: the layer whose norm left its own running range first,
-    at ``first_mover_step`` (`gradtrack.worker.first_mover`), None if none did before it.
+    at ``first_mover_step`` (`gradtrack.worker.flight_log`), None if none did before it.
     """
 
     incident: str

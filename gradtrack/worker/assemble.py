@@ -1,7 +1,10 @@
 """Turns a collected step into its `StepRecord` and runs the alert rules on it.
 
-Pure apart from the rules' own state: the worker calls it, or, when a rule may raise, the
-training thread, before the optimizer applies the step. One of the two, never both.
+`Assembler` judges and annotates a step's records (the alert rules, the flight recorder's
+window, what each record writes per layer: `LayerWrites`); `RecordBuilder` builds a record
+from the step's host copies, each optional part apart. Pure apart from the rules' own state:
+the worker calls it, or, when a rule may raise, the training thread, before the optimizer
+applies the step. One of the two, never both.
 """
 
 from __future__ import annotations
@@ -17,24 +20,22 @@ from gradtrack.config import GradtrackConfig
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import Histogram, bin_samples
 from gradtrack.formats.record import STAT_COLUMNS, StepRecord, summarise_layers
-from gradtrack.handoff.drops import DropCount
-from gradtrack.handoff.evidence import HostEvidence
 from gradtrack.handoff.layout import (
     L1,
     L2,
     LINF,
     TENSOR_COLUMNS,
     FirstInWindow,
+    HostEvidence,
     HostPart,
     MeshPlaces,
     TensorIndex,
     latched_step,
     spike_fields,
 )
-from gradtrack.handoff.pending import PendingStep, UpdateFollowUp, UpdateRows
+from gradtrack.handoff.mailbox import DropCount, PendingStep, UpdateFollowUp, UpdateRows
 from gradtrack.log import report
 from gradtrack.worker.flight_log import FlightLog
-from gradtrack.worker.layer_sums import layer_update_norms, rank_layer_norms
 from gradtrack.worker.noise_scale import StepNoise
 
 T = TypeVar("T")
@@ -51,9 +52,37 @@ class AssembledStep:
     events: list[AlertEvent]
 
 
+class LayerWrites:
+    """What a record writes per layer: the worker's one decision, beside the training
+    thread's one decision of what the step computes.
+
+    The training thread decides what a step computes (`gradtrack.capture.verdict`'s
+    `StepJudge.plan`, ``per_layer``: a step the ``layer_every`` schedule names, or the first
+    non-finite or spiking step of its window, gets max and mean |g| computed, and its record
+    ``layer_detail="all"``; any other ``"none"``). Only the worker knows which records raise
+    an alert (rules only a record can judge: vanishing, dead, update ratio …) and which a
+    latch found, so it decides what the others write: the first record in each
+    ``layer_every`` window that raised an alert, holds NaN or Inf, or was latched (its
+    elements not counted) writes its per-layer norms (``layer_detail="norms"``): the step to
+    look at. Only the first: a model tripping a rule at every step would otherwise write
+    every layer every step. A record already written per layer keeps what it computed, and
+    still takes its window's turn."""
+
+    def __init__(self, every: int) -> None:
+        self._first_in_window = FirstInWindow(every)
+
+    def __call__(self, record: StepRecord, alerted: bool) -> StepRecord:
+        if not (alerted or record.nan_count or record.inf_count or not record.counted):
+            return record
+        if not self._first_in_window(record.step) or record.per_layer:
+            return record
+        return replace(record, layer_detail="norms")
+
+
 class Assembler:
-    """Builds records from host copies and evaluates the rules; every failing part is
-    reported once and leaves the rest of the record, and the rules, to run."""
+    """Builds a step's records (`RecordBuilder`) and evaluates the rules on them; every
+    failing part is reported once and leaves the rest of the record, and the rules, to
+    run."""
 
     def __init__(
         self,
@@ -66,20 +95,9 @@ class Assembler:
         mesh: MeshPlaces | None = None,
     ) -> None:
         self.alert_engine = alert_engine
-        self.drops = drops
-        self.part_errors: dict[str, int] = {}
-        self._index = index
-        self._hist_bins = config.histograms.bins
-        self._hist_scale = config.histograms.scale
-        self._activation_names = tuple(activation_names)
-        self._model_name = config.model_name
-        self._layer_metrics = tuple(config.layer_metrics)
-        self._first_bad_in_window = FirstInWindow(config.layer_every)
-        self._world_size = world_size  # replicated ranks (0: none)
-        self._gather_ranks = config.distributed.gather_ranks
-        self._mesh = mesh
-        self._layer_position = {name: i for i, name in enumerate(index.layer_names)}
-        self.noise = StepNoise(config.noise_scale, index, self._world_size)
+        self.records = RecordBuilder(index, config, activation_names, world_size, drops, mesh)
+        self._layer_names = index.layer_names
+        self._layer_writes = LayerWrites(config.layer_every)
         self.flight: FlightLog | None = None
         if config.flight.enabled:
             action = lambda rule, layer: alert_engine.rule(rule, layer).action  # noqa: E731
@@ -93,39 +111,38 @@ class Assembler:
         if not pending.parts:
             return self._closing(pending)
         if pending.backward_order is not None:
-            names = self._index.layer_names
+            names = self._layer_names
             self.alert_engine.set_backward_order([names[i] for i in pending.backward_order])
         for part in pending.parts:
             part.wait()
         evidence = pending.parts[0].evidence()
-        latched = self._latched_record(pending, evidence.latch, pending.step)
-        kept, events = self._judged([latched, self.build_record(pending, evidence)])
-        return AssembledStep(*self._part("flight window", lambda: self._flight(
-            evidence.flight, kept, events), (kept, events)))  # fmt: skip
+        latched = self.records.latched(pending, evidence.latch, pending.step)
+        kept, events = self._judged([latched, self.records.build(pending, evidence)])
+        window = lambda: self._flight(evidence.flight, kept, events)  # noqa: E731
+        return AssembledStep(*self.records.part("flight window", window, (kept, events)))
 
     def _judged(
         self, records: list[StepRecord | None]
     ) -> tuple[list[StepRecord], list[AlertEvent]]:
-        """The records the rules judged, and their events."""
+        """The records the rules judged (each as `LayerWrites` says it writes), and their
+        events."""
         kept: list[StepRecord] = []
         events: list[AlertEvent] = []
         for record in records:
             if record is not None:
                 found = self._evaluate(record)
-                if found or record.nan_count or record.inf_count or not record.counted:
-                    record = self._first_bad_in_full(record)
-                kept.append(record)
+                kept.append(self._layer_writes(record, alerted=bool(found)))
                 events += found
         return kept, events
 
     def _closing(self, pending: PendingStep) -> AssembledStep:
         """The step handed on at close: the bad step latched after the last logged one, and
         the window before the last step where training ended in an exception or Ctrl-C."""
-        latched = self._latched_record(pending, pending.latch)
+        latched = self.records.latched(pending, pending.latch)
         records, events = self._judged([latched])
-        records, events = self._part("flight window", lambda: self._flight(
-            pending.flight_rows, records, events), (records, events))  # fmt: skip
-        records += self._part("flight window", lambda: self._ending(pending), [])
+        window = lambda: self._flight(pending.flight_rows, records, events)  # noqa: E731
+        records, events = self.records.part("flight window", window, (records, events))
+        records += self.records.part("flight window", lambda: self._ending(pending), [])
         return AssembledStep(records, events)
 
     def _flight(
@@ -142,13 +159,51 @@ class Assembler:
         if self.flight is None or pending.ending is None:
             return []
         record = self.flight.ending(pending.ending, pending.step, pending.wall_time)
-        return [] if record is None else [replace(record, model_name=self._model_name)]
+        return [] if record is None else [replace(record, model_name=self.records.model_name)]
 
     def _evaluate(self, record: StepRecord) -> list[AlertEvent]:
         no_events: list[AlertEvent] = []
-        return self._part("alert rules", lambda: self.alert_engine.evaluate(record), no_events)
+        evaluate = lambda: self.alert_engine.evaluate(record)  # noqa: E731
+        return self.records.part("alert rules", evaluate, no_events)
 
-    def _latched_record(
+    def add_update(self, judged: AssembledStep, follow_up: UpdateFollowUp) -> None:
+        """A step judged before its optimizer step: its record gets the update it applied."""
+        record = judged.records[-1]
+        if record.step == follow_up.step:
+            fields = self.records.update_fields(follow_up.update, record.layers)
+            judged.records[-1] = replace(record, **fields)
+
+
+class RecordBuilder:
+    """A step's `StepRecord` from its host copies: the layers' statistics, then each optional
+    part — histograms, update signals, step evidence, activation gradients, rank norms, the
+    noise scale — built apart (`part`): a failing part is reported once and costs only its
+    fields."""
+
+    def __init__(
+        self,
+        index: TensorIndex,
+        config: GradtrackConfig,
+        activation_names: Sequence[str],
+        world_size: int,
+        drops: DropCount | None,
+        mesh: MeshPlaces | None,
+    ) -> None:
+        self.drops = drops
+        self.part_errors: dict[str, int] = {}
+        self.model_name = config.model_name
+        self._index = index
+        self._hist_bins = config.histograms.bins
+        self._hist_scale = config.histograms.scale
+        self._activation_names = tuple(activation_names)
+        self._layer_metrics = tuple(config.layer_metrics)
+        self._world_size = world_size  # replicated ranks (0: none)
+        self._gather_ranks = config.distributed.gather_ranks
+        self._mesh = mesh
+        self._layer_position = {name: i for i, name in enumerate(index.layer_names)}
+        self.noise = StepNoise(config.noise_scale, index, self._world_size)
+
+    def latched(
         self, pending: PendingStep, latch: np.ndarray | None, logged: int | None = None
     ) -> StepRecord | None:
         """The first non-finite step an accelerator's guard latched since the last logged
@@ -166,23 +221,19 @@ class Assembler:
             index.layer_names, index.tensor_layer[present], index.tensor_numel[present], rows
         )
         return StepRecord(
-            step=step, wall_time=pending.wall_time, layers=layers, stats=stats,
-            total_norm=total_norm, model_name=self._model_name,
-            layer_metrics=self._layer_metrics, layer_detail="norms", counted=False,
+            step=step,
+            wall_time=pending.wall_time,
+            layers=layers,
+            stats=stats,
+            total_norm=total_norm,
+            model_name=self.model_name,
+            layer_metrics=self._layer_metrics,
+            layer_detail="norms",
+            counted=False,
             **(spike_fields(spike) if len(spike) else {}),
-        )  # fmt: skip
+        )
 
-    def _first_bad_in_full(self, record: StepRecord) -> StepRecord:
-        """The first step in each ``layer_every`` window that was non-finite or raised an
-        alert is written with its per-layer metrics (the step to look at). Only the first:
-        a model tripping a rule at every step would otherwise write every layer every step."""
-        if not self._first_bad_in_window(record.step) or record.per_layer:
-            return record
-        return replace(record, layer_detail="norms")
-
-    def build_record(
-        self, pending: PendingStep, evidence: HostEvidence | None = None
-    ) -> StepRecord:
+    def build(self, pending: PendingStep, evidence: HostEvidence | None = None) -> StepRecord:
         """The step's record from its host copies and ``evidence`` (read from its first part
         if not given)."""
         if evidence is None:
@@ -196,16 +247,18 @@ class Assembler:
         )
         spike = evidence.spike
         activations = evidence.activation_norms
-        noise = lambda: self.noise.fields(  # noqa: E731
-            layers, stats[:, NORM], total_norm, evidence, pending.batch)  # fmt: skip
+
+        def noise() -> dict[str, Any]:
+            return self.noise.fields(layers, stats[:, NORM], total_norm, evidence, pending.batch)
+
         return StepRecord(
             step=pending.step,
             wall_time=pending.wall_time,
             layers=layers,
             stats=stats,
             total_norm=total_norm,
-            histograms=self._part("histograms", lambda: self._histograms(pending.parts), {}),
-            model_name=self._model_name,
+            histograms=self.part("histograms", lambda: self._histograms(pending.parts), {}),
+            model_name=self.model_name,
             layer_metrics=self._layer_metrics,
             layer_detail="all" if pending.per_layer else "none",
             dropped_steps=0 if self.drops is None else self.drops.total,
@@ -214,23 +267,15 @@ class Assembler:
             **(pending.origin or {}),
             **(spike_fields(spike) if len(spike) else {}),
             **self.update_fields(pending.update, layers),
-            **self._part("step evidence", lambda: _evidence_fields(evidence), _NONE),
-            **self._part(
+            **self.part("step evidence", lambda: _evidence_fields(evidence), _NONE),
+            **self.part(
                 "activation gradients",
                 lambda: self._activations(activations, pending.activation_order or []),
                 _NONE,
             ),
-            **self._part("rank norms", lambda: self._ranks(evidence, layers), _NONE),
-            **self._part("noise scale", noise, _NONE),
+            **self.part("rank norms", lambda: self._ranks(evidence, layers), _NONE),
+            **self.part("noise scale", noise, _NONE),
         )
-
-    def add_update(self, judged: AssembledStep, follow_up: UpdateFollowUp) -> None:
-        """A step judged before its optimizer step: its record gets the update it applied."""
-        record = judged.records[-1]
-        if record.step == follow_up.step:
-            judged.records[-1] = replace(
-                record, **self.update_fields(follow_up.update, record.layers)
-            )
 
     def update_fields(self, update: UpdateRows | None, layers: tuple[str, ...]) -> dict[str, Any]:
         """``param_norms`` and ``update_norms`` for ``layers``, from the step's update rows
@@ -242,14 +287,13 @@ class Assembler:
             buffer, ready = update
             if ready is not None:
                 ready.synchronize()
-            n_layers = len(self._index.layer_names)
-            params, updates = layer_update_norms(buffer.numpy(), self._index.tensor_layer, n_layers)
+            params, updates = self._index.layer_update_norms(buffer.numpy())
             rows = [self._layer_position[name] for name in layers]
             return {"param_norms": params[rows], "update_norms": updates[rows]}
 
-        return self._part("update signals", norms, _NONE)
+        return self.part("update signals", norms, _NONE)
 
-    def _part(self, name: str, build: Callable[[], T], fallback: T) -> T:
+    def part(self, name: str, build: Callable[[], T], fallback: T) -> T:
         """One optional part of a step; a failure is reported once and costs only it."""
         try:
             return build()
@@ -272,7 +316,7 @@ class Assembler:
         bad = ~np.isfinite(per_tensor).all(axis=1)
         fields: dict[str, Any] = {"nonfinite_ranks": tuple(np.flatnonzero(bad).tolist())}
         if self._gather_ranks:
-            per_layer = rank_layer_norms(per_tensor, index.tensor_layer, len(index.layer_names))
+            per_layer = index.rank_layer_norms(per_tensor)
             position = self._layer_position
             fields["rank_grad_norms"] = per_layer[:, [position[name] for name in layers]]
         return fields

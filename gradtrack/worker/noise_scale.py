@@ -27,10 +27,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gradtrack.config import NoiseScaleOptions
-from gradtrack.handoff.evidence import HostEvidence
-from gradtrack.handoff.layout import TensorIndex
+from gradtrack.handoff.layout import HostEvidence, TensorIndex
 from gradtrack.log import logger
-from gradtrack.worker.layer_sums import rank_layer_norms
 
 
 class NoiseEstimate(NamedTuple):
@@ -83,15 +81,20 @@ class StepNoise:
     def __init__(self, options: NoiseScaleOptions, index: TensorIndex, world_size: int) -> None:
         self.options = options
         self._position = {name: i for i, name in enumerate(index.layer_names)}
+        self._index = index
         self._tensor_layer = index.tensor_layer
         self._world_size = world_size
         self._scale = NoiseScale(options.ema)
         self.why_none: str | None = None  # said once
 
     def fields(
-        self, layers: tuple[str, ...], layer_norms: np.ndarray, total_norm: float,
-        evidence: HostEvidence, batch: tuple[int, int],
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        layers: tuple[str, ...],
+        layer_norms: np.ndarray,
+        total_norm: float,
+        evidence: HostEvidence,
+        batch: tuple[int, int],
+    ) -> dict[str, Any]:
         """``batch``: the step's examples counted (0: not counted) and backward passes."""
         if not self.options.enabled:
             return {}
@@ -132,7 +135,7 @@ class StepNoise:
         n_layers = len(self._position)
         if self._world_size > 1 and len(evidence.rank_norms):
             local = evidence.rank_norms.reshape(self._world_size, -1)
-            per_layer = rank_layer_norms(local, self._tensor_layer, n_layers) ** 2
+            per_layer = self._index.rank_layer_norms(local) ** 2
             total = (local**2).sum(axis=1).mean()
             small = np.concatenate([[total], per_layer.mean(axis=0)])
             b_small: float = self.options.batch_size or examples

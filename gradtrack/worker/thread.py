@@ -1,37 +1,37 @@
-"""The worker thread: moves steps from the mailbox, through assembly and the rules, to the
-spool and the sinks.
+"""The worker thread: takes batches of steps from the mailbox, builds their records and alerts
+(`gradtrack.worker.assemble`), does what each alert asks (`AlertActions`), answers a judged
+step's `Reply`, and hands records and alerts to delivery's `Outbox` (`gradtrack.delivery.courier`).
 
 Between the training thread and the worker sits a bounded mailbox (`gradtrack.handoff.mailbox`);
 after it, each sink has a courier thread of its own (`gradtrack.delivery.courier`), so neither the
 training thread nor the worker ever waits on a tracker, and a failing sink is reported once
-and never stops the others.
+and never stops the others. (A "raise" rule's exception is the training thread's, see
+`gradtrack.capture.stepper`; "skip" acts there too.)
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+from gradtrack.alerts import AlertEngine
 from gradtrack.config import GradtrackConfig
-from gradtrack.delivery.courier import SinkCourier, courier_for, yield_cpu_to_training
-from gradtrack.delivery.progress import wait_while_progressing
-from gradtrack.delivery.spool import Spool, SpoolError, default_root
+from gradtrack.delivery.courier import Outbox, yield_cpu_to_training
+from gradtrack.errors import GradientWarning
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.drops import DropCount
-from gradtrack.handoff.mailbox import Control, Mailbox, QueuedStep
-from gradtrack.handoff.pending import UpdateFollowUp
+from gradtrack.handoff.mailbox import Control, DropCount, Mailbox, QueuedStep, UpdateFollowUp
 from gradtrack.lifecycle import Outcome
-from gradtrack.log import report
-from gradtrack.sinks.base import GradientSink, TrackerSink
-from gradtrack.worker.actions import AlertActions
+from gradtrack.log import logger, report, warn
+from gradtrack.sinks.base import GradientSink
 from gradtrack.worker.assemble import AssembledStep, Assembler
 
 
 class Worker:
-    """Moves steps from the mailbox to the spool and the sinks' couriers, on its own thread.
-    It never calls a sink: each sink's courier thread does (`gradtrack.delivery.courier`)."""
+    """Moves steps from the mailbox through assembly and the rules to the `Outbox`, on its
+    own thread. It never calls a sink: each sink's courier thread does."""
 
     def __init__(
         self,
@@ -43,14 +43,7 @@ class Worker:
         drops: DropCount | None = None,
     ) -> None:
         self.drops = drops = drops or DropCount(report)
-        self.spool = open_spool(sinks, config)
-        capacity = config.delivery.sink_buffer_steps
-        self.couriers: list[SinkCourier] = [
-            courier_for(sink, self.spool, sink_id(i, sink), capacity, drops, report)
-            for i, sink in enumerate(sinks)
-        ]
-        self._patience_s = config.flush_timeout_s
-        self._sync_told = False  # the sync command was named already
+        self.outbox = Outbox(sinks, config, drops, queued=mailbox.__len__)
         self.record_errors = 0
         self.assembler = assembler
         self._mailbox = mailbox
@@ -63,11 +56,15 @@ class Worker:
 
     @property
     def sinks(self) -> list[GradientSink]:
-        return [courier.sink for courier in self.couriers]
+        return self.outbox.sinks
 
     @property
     def sink_errors(self) -> list[int]:
-        return [courier.errors for courier in self.couriers]
+        return self.outbox.sink_errors
+
+    def sync_hint(self) -> str:
+        """Where undelivered items wait, and the command that delivers them."""
+        return self.outbox.sync_hint()
 
     def request(
         self, kind: Literal["flush", "stop"], timeout_s: float, outcome: Outcome = "FINISHED"
@@ -81,43 +78,12 @@ class Worker:
             return True
         control = Control(kind, outcome)
         self._mailbox.put_control(control)
-        what = "delivering to " + ", ".join(type(sink).__name__ for sink in self.sinks)
-        try:
-            done = wait_while_progressing(
-                control.done,
-                self.left,
-                timeout_s,
-                what,
-                busy=self._starting,
-                waiting_for=self.describe_left,
-            )
-        except KeyboardInterrupt:
-            if self.spool is not None and self.spool.path is not None:
-                report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
-            raise
+        done = self.outbox.wait(control.done, timeout_s)
         if done and kind == "stop":
             # Let the thread end (and free its tensors) before the caller goes on: at
             # interpreter exit a worker still tearing down can abort the process.
             self._thread.join(timeout_s)
         return done
-
-    def left(self) -> int:
-        """Steps and alerts not yet delivered: waiting for the worker, or in the spool."""
-        return len(self._mailbox) + max((c.left for c in self.couriers), default=0)
-
-    def describe_left(self) -> str:
-        """What delivery still waits for, by kind and count (the progress line's words)."""
-        waiting = len(self._mailbox)
-        parts = [f"{waiting:,} step(s) not yet summarised"] if waiting else []
-        named = len(self.couriers) > 1
-        for courier in self.couriers:
-            told = courier.describe_left()
-            if told:
-                parts.append(f"{type(courier.sink).__name__} {told}" if named else told)
-        return "; ".join(parts)
-
-    def _starting(self) -> bool:
-        return any(c.starting and c.left for c in self.couriers)
 
     def _run(self) -> None:
         try:
@@ -136,33 +102,13 @@ class Worker:
                     self._process(item, records, events)
                     continue
                 self._release_awaiting(records)
-                self._hand_over(records, events)
+                self.outbox.hand_over(records, events)
                 records, events = [], []
-                self._finish(item)
+                closing = item.outcome if item.kind == "stop" else None
+                self.outbox.finish(item.done, closing)
                 if item.kind == "stop":
                     return
-            self._hand_over(records, events)
-
-    def _finish(self, control: Control) -> None:
-        """Have every sink flush (or flush and close) after what it was handed, and mark
-        ``control`` done once all have — waiting for that on a thread of its own, so that
-        a sink stuck on its tracker never holds up the worker."""
-        if control.kind == "stop" and self.spool is not None:
-            self.spool.note_outcome(control.outcome)
-        finished = []
-        for courier in self.couriers:
-            finished.append(courier.request_flush(self._patience_s))
-            if control.kind == "stop":  # the sink's outcome is set on its courier's thread
-                finished.append(courier.request_close(control.outcome, self._patience_s))
-
-        def wait() -> None:
-            for event in finished:
-                event.wait()
-            if control.kind == "stop" and self.spool is not None:
-                self._release_spool(self.spool)
-            control.done.set()
-
-        threading.Thread(target=wait, name="gradtrack-flush", daemon=True).start()
+            self.outbox.hand_over(records, events)
 
     def _process(
         self, item: QueuedStep, records: list[StepRecord], events: list[AlertEvent]
@@ -207,74 +153,34 @@ class Worker:
                 return event
         return None
 
-    def _hand_over(self, records: list[StepRecord], events: list[AlertEvent]) -> None:
-        if self.spool is not None and (records or events):
-            self._append(self.spool, records, events)
-        for courier in self.couriers:
-            courier.hand_over(records, events)
 
-    def _append(self, spool: Spool, records: list[StepRecord], events: list[AlertEvent]) -> None:
-        items: list[StepRecord | AlertEvent] = [*records, *events]
-        try:
-            seqs = spool.append(items)
-        except Exception as exc:  # a full disk: counted as lost, told once, never raised
-            seqs = [None] * len(items)
-            reason = f"the spool at {spool.path or 'memory'} cannot be written ({exc!r})"
-        else:
-            reason = (
-                f"the spool at {spool.path or 'memory'} holds {spool.max_bytes >> 20} MiB not "
-                "yet delivered, its bound (spool.mib)"
-            )
-        lost = sum(seq is None for seq, item in zip(seqs, items) if isinstance(item, StepRecord))
-        if lost:
-            self.drops.add(lost, reason)
-
-    def _release_spool(self, spool: Spool) -> None:
-        """Delete the spool once every sink confirmed it; else keep it and say how to sync."""
-        left = spool.undelivered()
-        spool.close()
-        if left == 0:
-            spool.remove()
-        elif not self._sync_told:
-            self._sync_told = True
-            hint = self.sync_hint()
-            report(f"gradtrack could not deliver to every tracker before closing; {hint}")
-
-    def sync_hint(self) -> str:
-        """Where undelivered items wait, and the command that delivers them."""
-        if self.spool is None or self.spool.path is None:
-            return "steps still queued are lost with this process (the spool is off)"
-        self._sync_told = True
-        path = self.spool.path
-        return (
-            f"{self.left():,} item(s) (steps and alerts) not yet delivered are kept in {path}; "
-            f"deliver them with: gradtrack sync {path}"
-        )
+_LOG_LEVEL = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def sink_id(index: int, sink: GradientSink) -> str:
-    """The name a sink's cursor has in the spool, e.g. ``0-MlflowSink``."""
-    return f"{index}-{type(sink).__name__}"
+class AlertActions:
+    """Each event reaches the terminal once: as a `GradientWarning` where its rule's action is
+    "warn", else as a logging record at its severity; then ``on_alert`` is called with it (its
+    first failure reported, none stopping the worker)."""
 
+    def __init__(
+        self, engine: AlertEngine, on_alert: Callable[[AlertEvent], None] | None = None
+    ) -> None:
+        self.engine = engine
+        self.on_alert = on_alert
+        self.callback_errors = 0
 
-def open_spool(sinks: Sequence[GradientSink], config: GradtrackConfig) -> Spool | None:
-    """The run's spool, if a sink delivers to a tracker: on disk if ``config.spool.enabled``
-    and it can be created there (else that is reported), in memory otherwise."""
-    targets = {
-        sink_id(i, sink): sink.spool_target()
-        for i, sink in enumerate(sinks)
-        if isinstance(sink, TrackerSink)
-    }
-    if not targets:
-        return None
-    limit = config.spool.mib << 20
-    if config.spool.enabled:
-        root = config.spool.dir or default_root()
-        try:
-            return Spool.create(root, config.model_name or "run", targets, limit)
-        except (OSError, SpoolError) as exc:
-            report(
-                f"gradtrack could not create its spool under {root} ({exc!r}); steps wait "
-                "in memory instead (set spool.dir or GRADTRACK_SPOOL_DIR to a writable folder)"
-            )
-    return Spool.in_memory(targets, limit)
+    def act(self, event: AlertEvent) -> None:
+        action = self.engine.rule(event.rule, event.layer).action
+        if event.severity == "info":
+            action = "log"
+        if action == "warn":
+            warn(event.message, GradientWarning)
+        elif action == "log":
+            logger.log(_LOG_LEVEL[event.severity], "%s", event.message)
+        if self.on_alert is not None:
+            try:
+                self.on_alert(event)
+            except Exception as exc:
+                self.callback_errors += 1
+                if self.callback_errors == 1:
+                    report(f"gradtrack's on_alert callback failed: {exc!r}")

@@ -13,12 +13,11 @@ from torch import nn
 
 import gradtrack
 from gradtrack.capture.flight_ring import FlightRecorder
-from gradtrack.delivery.codec import decode, encode
+from gradtrack.delivery.spool import decode, encode
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.flight import FlightWindow, read_window, window_text
 from gradtrack.sinks import MemorySink
-from gradtrack.worker.first_mover import first_mover
-from gradtrack.worker.flight_log import FlightLog
+from gradtrack.worker.flight_log import FlightLog, first_mover
 from tests.test_no_sync import OpRecorder
 
 

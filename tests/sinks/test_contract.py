@@ -18,7 +18,7 @@ import gradtrack.sinks
 from gradtrack.delivery.courier import Courier, SinkCourier, SpooledCourier
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.drops import DropCount
+from gradtrack.handoff.mailbox import DropCount
 from gradtrack.sinks import MemorySink, SinkBase, TrackerSink, as_sink_base
 from tests.conftest import NoUpdate
 
