@@ -185,8 +185,9 @@ def test_every_temporary_directory_of_gradtrack_is_closed_by_a_with_block() -> N
 
 def test_the_step_path_has_few_parts() -> None:
     """The stepper takes four collaborators: judge (→ plan), collect (→ pending step),
-    hand-off, and the probes; the plan alone decides whether a step writes its per-layer
-    metrics."""
+    hand-off, and the probes; on the training thread the plan alone decides whether a step
+    computes its per-layer metrics (the worker's `LayerWrites` decides which records write
+    them). tests/test_step_path.py bounds the files one logged step enters."""
     import inspect
 
     from gradtrack.capture.stepper import Stepper

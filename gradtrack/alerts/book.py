@@ -98,9 +98,14 @@ class Cooldowns:
         fields.setdefault("severity", rule.severity)
         fields.setdefault("layers", (layer,) if layer else ())
         event = AlertEvent(
-            step=record.step, wall_time=record.wall_time, rule=rule_name, layer=layer,
-            rank=self.rank, silenced=silenced, **fields,
-        )  # fmt: skip
+            step=record.step,
+            wall_time=record.wall_time,
+            rule=rule_name,
+            layer=layer,
+            rank=self.rank,
+            silenced=silenced,
+            **fields,
+        )
         return [event]
 
 

@@ -155,8 +155,15 @@ def told_skipped(
             return events
     severity = book.rule(rule or "nonfinite", None).severity
     fallback = AlertEvent(
-        step=record.step, wall_time=record.wall_time, rule=rule or "skip", layer=None,
-        statistic="total_norm", value=record.total_norm, threshold=None, severity=severity,
-        rank=rank, message=f"step {record.step} tripped {rule} at its guard.{note}",
-    )  # fmt: skip
+        step=record.step,
+        wall_time=record.wall_time,
+        rule=rule or "skip",
+        layer=None,
+        statistic="total_norm",
+        value=record.total_norm,
+        threshold=None,
+        severity=severity,
+        rank=rank,
+        message=f"step {record.step} tripped {rule} at its guard.{note}",
+    )
     return [*events, fallback]

@@ -109,7 +109,11 @@ class JumpCheck(Check):
                 low, high = env.below_max[k], env.above_min[k]
             side, other = ("up to", "from") if up else ("from", "up to")
             events += self.cooldowns.emit(
-                record, "jump", a, statistic="rms_ratio", value=float(env.ratio[k]),
+                record,
+                "jump",
+                a,
+                statistic="rms_ratio",
+                value=float(env.ratio[k]),
                 threshold=float(limit[k]),
                 message=(
                     f"gradient flow breaks between {a} and {b}: every {kind} layer {side} "
@@ -119,7 +123,7 @@ class JumpCheck(Check):
                     "constant, a near-zero initialisation), a saturating activation, a "
                     ".detach(), or a missing residual path or normalisation."
                 ),
-            )  # fmt: skip
+            )
         return events
 
 
@@ -163,10 +167,14 @@ class FlowCheck(Check):
             return []
         names = [record.layers[j] for j in rows]  # first: the starving (or flooded) end
         return self.cooldowns.emit(
-            record, "flow", names[0], statistic="flow_ratio", value=ratio,
+            record,
+            "flow",
+            names[0],
+            statistic="flow_ratio",
+            value=ratio,
             threshold=1 / rule.ratio if direction < 0 else rule.ratio,
             message=self._message(kind, names, ratio, direction),
-        )  # fmt: skip
+        )
 
     def _message(self, kind: str, names: list[str], ratio: float, direction: int) -> str:
         quarter = max(1, len(names) // 4)

@@ -191,9 +191,14 @@ class LearningRateCheck(Check):
     ) -> list[AlertEvent]:
         # One incident for the whole model: the cooldown is the model's, not each layer's.
         events = self.cooldowns.emit(
-            record, "learning_rate", None, statistic="update_ratio", value=ratio,
-            threshold=threshold, message=message,
-        )  # fmt: skip
+            record,
+            "learning_rate",
+            None,
+            statistic="update_ratio",
+            value=ratio,
+            threshold=threshold,
+            message=message,
+        )
         if events and not events[0].silenced:
             self.story.incident = Incident(record.step, tuple(layers[:MOST_MOVED]), ratio, since)
         return [e.model_copy(update={"layer": layers[0], "layers": tuple(layers)}) for e in events]
@@ -229,9 +234,14 @@ class UpdateRatioCheck(Check):
             limit = float(high[j] if fast[j] else low[j])
             finding = _finding(layer, ratio, limit, int(runs[j]), bool(fast[j]), cause is not None)
             events += self.cooldowns.emit(
-                record, "update_ratio", layer, statistic="update_ratio", value=ratio,
-                threshold=limit, message=finding,
-            )  # fmt: skip
+                record,
+                "update_ratio",
+                layer,
+                statistic="update_ratio",
+                value=ratio,
+                threshold=limit,
+                message=finding,
+            )
         return events
 
 

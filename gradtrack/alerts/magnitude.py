@@ -94,7 +94,11 @@ class VanishingCheck(Check):
         for j in np.flatnonzero(active & (runs >= self.book.param("vanishing", "patience", idx))):
             layer, norm = record.layers[j], float(norms[j])
             events += self.cooldowns.emit(
-                record, "vanishing", layer, statistic="norm", value=norm,
+                record,
+                "vanishing",
+                layer,
+                statistic="norm",
+                value=norm,
                 threshold=float(threshold[j]),
                 message=(
                     f"gradient norm of {layer} is {norm:.3g}, below {threshold[j]:.3g} "
@@ -103,7 +107,7 @@ class VanishingCheck(Check):
                     "initialisation (Kaiming/Xavier), or non-saturating activations (ReLU/GELU "
                     "instead of sigmoid/tanh)."
                 ),
-            )  # fmt: skip
+            )
         return events
 
 
@@ -156,12 +160,17 @@ class DeadCheck(Check):
         )
         cause = _SATURATED if self._saturating[self.book.depth[layer]] else _DYING_RELU
         return self.cooldowns.emit(
-            record, "dead", layer, statistic="norm", value=0.0, threshold=0.0,
+            record,
+            "dead",
+            layer,
+            statistic="norm",
+            value=0.0,
+            threshold=0.0,
             message=(
                 f"gradient of {layer} has been exactly zero for "
                 f"{counted(run, 'logged step')}.{where} {cause}"
             ),
-        )  # fmt: skip
+        )
 
 
 class SpikeCheck(Check):
@@ -186,8 +195,12 @@ class SpikeCheck(Check):
             norm = record.total_norm if layer is None else _layer_norm(record, layer)
             ratio = float(self.per_step.spike_ratio[column])
             events += self.cooldowns.emit(
-                record, "spike", layer, statistic="norm" if layer else "total_norm",
-                value=norm, threshold=typical * ratio,
+                record,
+                "spike",
+                layer,
+                statistic="norm" if layer else "total_norm",
+                value=norm,
+                threshold=typical * ratio,
                 message=(
                     f"{name} spiked to {norm:.3g} at step {record.step}: "
                     f"{norm / typical:.1f}x its typical {typical:.3g} over the last {window} "
@@ -197,7 +210,7 @@ class SpikeCheck(Check):
                     "epsilon too small. Try: clipping, or alerts={'spike': {'action': 'skip'}} "
                     "to leave such steps out."
                 ),
-            )  # fmt: skip
+            )
         return events
 
 

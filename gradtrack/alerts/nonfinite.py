@@ -55,13 +55,18 @@ class NonFiniteCheck(Check):
         if stage != "weights":
             self._last_bad_gradient = record.step
         return self.cooldowns.emit(
-            record, "nonfinite", origin,
+            record,
+            "nonfinite",
+            origin,
             statistic=("nan_count" if nan else "inf_count") if record.counted else "layers",
             value=float(nan or inf) if record.counted else float(len(bad)),
-            threshold=0.0, message=message,
-            origin_layer=origin, origin_stage=stage, ranks=record.nonfinite_ranks,
+            threshold=0.0,
+            message=message,
+            origin_layer=origin,
+            origin_stage=stage,
+            ranks=record.nonfinite_ranks,
             layers=tuple(bad),
-        )  # fmt: skip
+        )
 
     def _message(
         self, record: StepRecord, kind: str, counts: str, origin: str | None, stage: Stage
@@ -231,16 +236,25 @@ class AmpCheck(Check):
         change = f"scale {before:g}→{after:g}" if before is not None else "scale reduced"
         if self._skips >= rule.max_skips:
             return self.cooldowns.emit(
-                record, "amp", None, statistic="skipped_steps", value=float(self._skips),
+                record,
+                "amp",
+                None,
+                statistic="skipped_steps",
+                value=float(self._skips),
                 threshold=float(rule.max_skips),
                 message=(
                     f"GradScaler skipped {counted(self._skips, 'step')} in a row ({change}): the "
                     "gradients overflow whatever the scale. The model itself produces Inf/NaN: "
                     "check the forward numerics, lower the learning rate, or train in bf16."
                 ),
-            )  # fmt: skip
+            )
         return self.cooldowns.emit(
-            record, "amp", None, statistic="skipped_steps", value=float(self._skips),
-            threshold=float(rule.max_skips), severity="info",
+            record,
+            "amp",
+            None,
+            statistic="skipped_steps",
+            value=float(self._skips),
+            threshold=float(rule.max_skips),
+            severity="info",
             message=f"overflow: step skipped, {change}.",
-        )  # fmt: skip
+        )

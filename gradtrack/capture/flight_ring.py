@@ -51,9 +51,12 @@ class FlightRecorder:
         return self.capacity * (1 + self.n_layers) * 8
 
     def record(
-        self, step: int, norms: Tensor | None, on_error: OnError | None = None,
+        self,
+        step: int,
+        norms: Tensor | None,
+        on_error: OnError | None = None,
         hold: Tensor | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Keep one step's norms (``[1 + layers]``: the total first, as `LayerNorms` gives;
         None: the step has none). ``hold``, a boolean on the device: True keeps the ring as
         it is (a bad step was latched before this one, and its window must outlive the steps
@@ -81,9 +84,11 @@ class FlightRecorder:
     def _record(self, step: int, norms: Tensor, hold: Tensor | None) -> None:
         if self._ring is None or self._ring.device != norms.device:
             self._ring = torch.full(
-                (self.capacity, 1 + self.n_layers), -1.0, dtype=torch.float64,
+                (self.capacity, 1 + self.n_layers),
+                -1.0,
+                dtype=torch.float64,
                 device=norms.device,
-            )  # fmt: skip
+            )
             self._host = self._ring.numpy() if self._ring.device.type == "cpu" else None
         index = self._written % self.capacity
         if hold is None and self._host is not None:  # (the ring is on the norms' device)

@@ -157,16 +157,22 @@ def _unjudged(plan: StepPlan, why: str) -> GradientAlertError:
     name = layer or "the total gradient"
     return GradientAlertError(
         AlertEvent(
-            step=plan.step, wall_time=time.time(), rule=rule, layer=layer,
-            statistic="norm" if layer else "total_norm", value=float("nan"), threshold=0.0,
-            severity="error", layers=(layer,) if layer else (),
+            step=plan.step,
+            wall_time=time.time(),
+            rule=rule,
+            layer=layer,
+            statistic="norm" if layer else "total_norm",
+            value=float("nan"),
+            threshold=0.0,
+            severity="error",
+            layers=(layer,) if layer else (),
             message=(
                 f"{rule} at step {plan.step} in {name} (action='raise'); {why}, so this "
                 "event holds only what the step's norms say (the worker's own event, once it "
                 "judges the step, goes to the run's alerts)."
             ),
         )
-    )  # fmt: skip
+    )
 
 
 class StepCollector:
@@ -246,11 +252,17 @@ class StepCollector:
         if not parts or (ranks is not None and ranks.rank != 0):
             return None  # (sharded: this rank's shard rows went into rank 0's)
         return PendingStep(
-            plan.step, time.time(), parts, backward_order, activation_order,
-            per_layer=plan.per_layer, origin=origin,
+            plan.step,
+            time.time(),
+            parts,
+            backward_order,
+            activation_order,
+            per_layer=plan.per_layer,
+            origin=origin,
             skipped_by=None if plan.skip is None else plan.skip.rule,
-            skipped_steps=plan.skipped_steps, batch=probes.batch,
-        )  # fmt: skip
+            skipped_steps=plan.skipped_steps,
+            batch=probes.batch,
+        )
 
     def closing(
         self, step: int, outcome: str, read_latch: Callable[[], np.ndarray | None]

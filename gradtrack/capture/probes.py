@@ -164,9 +164,12 @@ class Probes:
             self.handles.extend(self.local.handles)
 
     def attach_noise_scale(
-        self, model: nn.Module, collector: Collector, ranks: RankGroup | None,
+        self,
+        model: nn.Module,
+        collector: Collector,
+        ranks: RankGroup | None,
         options: NoiseScaleOptions,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The noise scale's probes where it can be estimated (after `attach_evidence`):
         examples per step (unless the user gave the batch size) and, in one process whose
         steps are not each one backward pass, the micro-batches' norms (replicated ranks

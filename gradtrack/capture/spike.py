@@ -130,9 +130,13 @@ class NormWindow:
                 "clip": np.zeros(c),
             }
             # made on the device once: a copy from the host at every step could wait
-            self._state = state if host else {
-                key: torch.as_tensor(value, device=norms.device) for key, value in state.items()
-            }  # fmt: skip
+            self._state = (
+                state
+                if host
+                else {
+                    key: torch.as_tensor(value, device=norms.device) for key, value in state.items()
+                }
+            )
             self._position = self._waiting = 0
         return self._state
 

@@ -247,11 +247,19 @@ class StepJudge:
         first_flagged = first_bad or spiked
         due = logged or with_samples
         return StepPlan(
-            step, guard, logged, with_samples, verdict, spike, error, first_bad, first_flagged,
+            step,
+            guard,
+            logged,
+            with_samples,
+            verdict,
+            spike,
+            error,
+            first_bad,
+            first_flagged,
             per_layer=(due and self.schedule.per_layer(step)) or first_flagged,
             judge_now=verdict.trip is not None or (due and self.judge_due),
             skipped_steps=0 if skips is None else skips.total,
-        )  # fmt: skip
+        )
 
     def exact(self, plan: StepPlan) -> None:
         """A bad or skipped step is summarised: its norms must be exact."""
@@ -308,9 +316,12 @@ class StepJudge:
         """The usual CPU case, judged in numpy at every step: one CPU device (its norms are
         host memory: nothing to wait for), the verdict read at the step, signals on."""
         return (
-            len(guard.devices) == 1 and on_host(guard) and self.every_step
-            and self.reads_host is not False and self.signals.layer_norms is not None
-        )  # fmt: skip
+            len(guard.devices) == 1
+            and on_host(guard)
+            and self.every_step
+            and self.reads_host is not False
+            and self.signals.layer_norms is not None
+        )
 
     def _judge_on_host(self, guard: Guard, step: int) -> tuple[Verdict, torch.Tensor | None]:
         """`judge` in numpy: the layer norms, the spike vector and the verdict, each computed

@@ -75,8 +75,10 @@ class ConsoleSink(SinkBase):
         """Only with a ``stream`` of its own: otherwise every alert already reaches the
         terminal once, as a `logging` record or a warning (see the rule's ``action``)."""
         if self.stream is not None:
-            _write(f"gradtrack {event.severity.upper()} at step {event.step}: {event.message}",
-                   self.stream)  # fmt: skip
+            _write(
+                f"gradtrack {event.severity.upper()} at step {event.step}: {event.message}",
+                self.stream,
+            )
 
     def flush(self) -> None:
         pass
