@@ -128,3 +128,23 @@ def test_a_nan_in_a_layer_whose_rule_raises_is_raised_beside_one_whose_rule_warn
     )
     (event,) = AlertEngine(rules, LAYERS, rank=0).evaluate(step)
     assert event.layer == "head" and rules.for_layer("nonfinite", event.layer).action == "raise"
+
+
+def test_a_layer_whose_nonfinite_rule_is_off_is_neither_raised_nor_alerted() -> None:
+    """``enabled`` per layer reads the same on both threads: a NaN only in a layer whose
+    nonfinite rule is off trips nothing; beside a NaN in a watched layer, only that one is
+    named (the alert used to read ``enabled`` for the total only)."""
+    rules = AlertRules(
+        nonfinite={"action": "raise"}, layers={"block.1": {"nonfinite": {"enabled": False}}}
+    )
+    judge = StepRules(PerStepRules(rules, LAYERS), "raise")
+    quiet = np.zeros(5, dtype=bool)
+    only_off = np.array([1.0, 1.0, np.nan, 1.0])
+    step = record(0, only_off, quiet)
+    assert raised(judge, only_off, quiet, step.total_norm) is None
+    assert AlertEngine(rules, LAYERS, rank=0).evaluate(step) == []
+    both = np.array([1.0, 1.0, np.nan, np.nan])
+    step = record(1, both, quiet)
+    assert raised(judge, both, quiet, step.total_norm) == ("nonfinite", None)
+    (event,) = AlertEngine(rules, LAYERS, rank=0).evaluate(step)
+    assert event.rule == "nonfinite" and event.layers == ("head",)
