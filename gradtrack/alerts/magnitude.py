@@ -48,8 +48,8 @@ class ExplodingCheck(Check):
 
     def total(self, record: StepRecord) -> list[AlertEvent]:
         """The total norm, if above its threshold."""
-        norm, total = record.total_norm, np.zeros(1, np.int64)
-        if not self.per_step.exploding(np.array([norm]), total)[0]:
+        norm, column = record.total_norm, np.zeros(1, np.int64)  # (column 0: the total)
+        if not self.per_step.exploding(np.array([norm]), column)[0]:
             return []  # (non-finite norms belong to the nonfinite rule)
         return self._event(record, None, norm, 0)
 

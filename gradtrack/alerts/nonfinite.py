@@ -234,19 +234,13 @@ class AmpCheck(Check):
             return []
         before, after = record.amp_scale, record.amp_scale_after
         change = f"scale {before:g}→{after:g}" if before is not None else "scale reduced"
-        if self._skips >= rule.max_skips:
-            return self.cooldowns.emit(
-                record,
-                "amp",
-                None,
-                statistic="skipped_steps",
-                value=float(self._skips),
-                threshold=float(rule.max_skips),
-                message=(
-                    f"GradScaler skipped {counted(self._skips, 'step')} in a row ({change}): the "
-                    "gradients overflow whatever the scale. The model itself produces Inf/NaN: "
-                    "check the forward numerics, lower the learning rate, or train in bf16."
-                ),
+        severity, message = "info", f"overflow: step skipped, {change}."  # the scaler's job
+        if self._skips >= rule.max_skips:  # stuck: told at the rule's own severity
+            severity = rule.severity
+            message = (
+                f"GradScaler skipped {counted(self._skips, 'step')} in a row ({change}): the "
+                "gradients overflow whatever the scale. The model itself produces Inf/NaN: "
+                "check the forward numerics, lower the learning rate, or train in bf16."
             )
         return self.cooldowns.emit(
             record,
@@ -255,6 +249,6 @@ class AmpCheck(Check):
             statistic="skipped_steps",
             value=float(self._skips),
             threshold=float(rule.max_skips),
-            severity="info",
-            message=f"overflow: step skipped, {change}.",
+            severity=severity,
+            message=message,
         )

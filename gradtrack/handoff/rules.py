@@ -45,12 +45,6 @@ def exploding_columns(norms: np.ndarray, threshold: np.ndarray, enabled: np.ndar
         return enabled & np.isfinite(norms) & (norms > threshold)
 
 
-def spiking_columns(spiking: np.ndarray, enabled: np.ndarray) -> np.ndarray:
-    """Columns the every-step spike window flagged (`gradtrack.handoff.layout.spike_fields`),
-    where the rule is on."""
-    return spiking & enabled
-
-
 class Trip(NamedTuple):
     """A per-step rule a step tripped: the rule, and the layer it names (None: the total)."""
 
@@ -102,7 +96,7 @@ class PerStepRules:
 
     def spiking(self, flagged: np.ndarray) -> np.ndarray:
         """Of every column, those the every-step spike window flagged where the rule is on."""
-        return spiking_columns(flagged, self.enabled["spike"])
+        return flagged & self.enabled["spike"]
 
     def acting(self, rule: str, action: str) -> np.ndarray:
         """Per column, whether ``rule`` is on there with ``action``."""
@@ -139,7 +133,7 @@ class StepRules:
                 return self._trip("nonfinite", 0)
         if spike is not None:
             fields = spike_fields(spike)
-            spiking = spiking_columns(fields["spiking"], self._spike)
+            spiking = fields["spiking"] & self._spike
             if spiking.any():
                 z = np.where(spiking, fields["spike_z"], -np.inf)
                 return self._trip("spike", int(np.argmax(z[1:]) + 1) if spiking[1:].any() else 0)
