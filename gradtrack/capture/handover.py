@@ -1,6 +1,12 @@
-"""Handing planned steps to the worker: through the mailbox, after the optimizer step where
-update signals are asked for, and — for a step a raise rule judges — waiting for the
-worker's answer, agreed by every rank, before its optimizer step runs."""
+"""A planned step collected and handed to the worker.
+
+`StepCollector`: the `PendingStep` the worker gets — its reductions and host copy launched
+(`gradtrack.capture.collect`), its evidence attached, and, for a non-finite step, where it was
+made (`gradtrack.capture.origin`). `Handover`: through the mailbox, after the optimizer step
+where update signals are asked for (`gradtrack.capture.updates`), and — for a step a raise
+rule judges — waiting for the worker's answer, agreed by every rank, before its optimizer
+step runs.
+"""
 
 from __future__ import annotations
 

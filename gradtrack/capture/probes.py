@@ -1,9 +1,23 @@
 """Every hook a watcher puts on the model, its parameters, its optimizer and its scaler, owned
-in one place and removed together; and the step evidence they gathered, by name.
+in one place (`Probes`) and removed together; and the step evidence they gathered, by name.
 
-Two kinds: the hooks that end a step (`StepEnd` says what they call) and the probes that
-gather evidence on logged steps (`gradtrack.capture.probes`, `gradtrack.capture.origin`,
-`LocalNormProbe`).
+Two kinds: the hooks that end a step (`StepEnd` says what they call: the `Stepper`) and the
+probes that gather evidence on logged steps, as device tensors, never a host read (the output
+and activation probes here, `gradtrack.capture.origin`'s `OriginProbe`,
+`gradtrack.capture.distributed`'s `LocalNormProbe`). Also here:
+
+- what the noise scale needs beyond the gradients: the examples a step saw (`BatchCounter`)
+  and, under gradient accumulation in one process, each micro-batch's squared norm
+  (`MicroBatchNorms`); data-parallel ranks' local norms ride in the logged step's collective;
+- `AccumulationCheck`: without ``optimizer=`` a step is one backward pass; when the watched
+  parameters' optimizer steps after several, those were micro-batches of one update, and the
+  user is told (once) to pass ``optimizer=``;
+- `ReplacementCheck`: a module or parameter assigned after `gradtrack.watch` would silently
+  fall out of the records; two of torch's global registration hooks see it and say so once;
+- `hooked_optimizer`: the optimizer frameworks hand out, seen through to the one that steps
+  (Accelerate's ``AcceleratedOptimizer`` steps its inner one only where ``sync_gradients``
+  says so; a DeepSpeed engine steps its own, `gradtrack.capture.zero`), a framework looked at
+  only if the user imported it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,22 @@
 
 The verdict: finite or not, spiking or not, and the skip or raise a per-step rule asks for —
 known now where that costs no wait for the device, else latched on the device for the next
-logged step (`gradtrack.capture.verdict`). The plan: what the step then needs — summarised or
-not, with its per-layer metrics or not (decided here, once, and carried to the worker), and
-judged by the worker before its optimizer step or not.
+logged step. The plan: what the step then needs — summarised or not, with its per-layer
+metrics or not (decided here, once, and carried to the worker), and judged by the worker
+before its optimizer step or not.
+
+- `StepJudge` judges and plans a step; `QuietSteps` serves the common one (healthy, between
+  logged ones, on one CPU device) in one short pass.
+- `BadStepLatch`, on accelerators: the first non-finite step between two logged steps, kept
+  on the device. Reading the verdict at every step would wait for the device; instead a few
+  tiny kernels per step remember the first bad step and its norms, and the next logged step
+  carries them to the host in its one copy.
+- `StepSchedule`: which steps are logged, sampled, and per-layer; schedules are plain
+  ``step -> bool``, ``DenseEarly`` giving a short run enough per-layer columns to see anything
+  and a long run the cost of ``layer_every``.
+- `build_signals`: the signals beyond the gradients' statistics a watch may ask for
+  (docs/signals.md) — the every-step spike statistics, the skip rules, the update signals,
+  the flight recorder — checked and built at watch time.
 """
 
 from __future__ import annotations
