@@ -77,11 +77,11 @@ class AlertEngine:
         """The events of one step, in rule order; those of layers that tripped one rule
         together are merged into one."""
         events: list[AlertEvent] = []
+        idx = self._book.positions(record)  # (its columns of the per-step rules: idx + 1)
         if record.amp_skipped is not None:
             events += self._amp.check(record)
         if not record.amp_skipped:
-            events += self._nonfinite.check(record)
-        idx = self._book.positions(record)
+            events += self._nonfinite.check(record, idx)
         events += self._learning_rate.check(record, idx)  # a cause, before its consequences
         events += self._exploding.layers(record, idx)
         events += self._vanishing.check(record, idx) + self._dead.check(record, idx)

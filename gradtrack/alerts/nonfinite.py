@@ -38,12 +38,12 @@ class NonFiniteCheck(Check):
         self._last_bad_gradient: int | None = None  # the last step with a non-finite gradient
         self._weights_bad_since: int | None = None  # the first step whose weights were
 
-    def check(self, record: StepRecord) -> list[AlertEvent]:
-        """One event for every layer whose gradient holds NaN or Inf, named by its origin."""
+    def check(self, record: StepRecord, idx: np.ndarray) -> list[AlertEvent]:
+        """One event for every layer (``idx``: their positions in depth order) whose gradient
+        holds NaN or Inf and whose rule is on, named by its origin."""
         nan_counts, inf_counts = record.column("nan"), record.column("inf")
         norms = record.column("norm")  # exact: non-finite only where an element is
-        cols = self.per_step.columns(record.layers)
-        rows = np.flatnonzero(self.per_step.nonfinite(cols, norms, nan_counts, inf_counts))
+        rows = np.flatnonzero(self.per_step.nonfinite(idx + 1, norms, nan_counts, inf_counts))
         if len(rows) == 0:
             return []
         bad = [record.layers[j] for j in rows]

@@ -65,7 +65,6 @@ class PerStepRules:
     def __init__(self, rules: AlertRules, layer_names: Sequence[str]) -> None:
         self.alert_rules = rules
         self.layer_names = tuple(layer_names)
-        self._column = {name: i + 1 for i, name in enumerate(self.layer_names)}
         found = {
             rule: [rules.for_layer(rule, c) for c in (None, *layer_names)] for rule in SKIPPABLE
         }
@@ -74,10 +73,6 @@ class PerStepRules:
         self.explode_at = np.array([r.threshold for r in found["exploding"]], np.float64)
         self.spike_z = [float(r.z) for r in found["spike"]]
         self.spike_ratio = np.array([r.ratio for r in found["spike"]], np.float64)
-
-    def columns(self, layers: Sequence[str]) -> np.ndarray:
-        """The columns of the named layers."""
-        return np.fromiter((self._column[name] for name in layers), np.int64, len(layers))
 
     def nonfinite(
         self,
