@@ -186,14 +186,20 @@ def _judged_run(short_pass: bool, frozen: bool) -> tuple[MemorySink, gradtrack.W
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["all_trained", "one_layer_frozen"])
-def test_healthy_steps_judged_in_the_short_pass_judge_as_the_full_pass(frozen: bool) -> None:
+@pytest.mark.parametrize("in_floats", [True, False], ids=["python_floats", "numpy_arrays"])
+def test_healthy_steps_judged_in_the_short_pass_judge_as_the_full_pass(
+    frozen: bool, in_floats: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The short pass a healthy unlogged step takes (`QuietSteps`) keeps the spike window
     and the flight recorder as judging it in full would: same records, spike statistics,
-    alerts and flight windows."""
+    alerts and flight windows — in Python floats (a small model's) and in numpy arrays."""
+    if not in_floats:
+        monkeypatch.setattr("gradtrack.capture.verdict.SMALL_MODEL_TENSORS", 0)
     quick, quick_watcher = _judged_run(short_pass=True, frozen=frozen)
     full, _ = _judged_run(short_pass=False, frozen=frozen)
     quiet = quick_watcher.judge._quiet
     assert quiet is not None and quiet._plan and (quiet._present is not None) == frozen
+    assert (quiet._small is not None) == in_floats
     assert [r.step for r in quick.records] == [r.step for r in full.records]
     assert {77, 123} <= {r.step for r in quick.records}
     for a, b in zip(quick.records, full.records):

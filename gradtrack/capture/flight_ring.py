@@ -71,10 +71,10 @@ class FlightRecorder:
                 raise
             on_error(step, exc)
 
-    def record_host(self, step: int, norms: np.ndarray) -> None:
+    def record_host(self, step: int, norms: np.ndarray | list[float]) -> None:
         """`record` for host norms (a CPU model's quiet step): two numpy writes."""
         if self._host is None:
-            self.record(step, torch.from_numpy(norms))
+            self.record(step, torch.as_tensor(norms, dtype=torch.float64))
             return
         row = self._host[self._written % self.capacity]
         row[:] = norms

@@ -96,6 +96,11 @@ class StepPlan:
 # Up to this many columns × tensors, a quiet step sums its layers' squares by one product
 # with a 0/1 matrix (one operation); beyond it, by a bincount (O(tensors)).
 _SUMS_BY_PRODUCT = 1 << 14
+# Up to this many gradient tensors, a quiet step's norms are summed and judged as Python
+# floats: inside a training step (its caches cold) each numpy call costs ~10 µs, six of them
+# more than a loop over a few dozen floats (`benchmarks.fastloop`'s tight loop: +35 µs a step
+# against +80 µs).
+SMALL_MODEL_TENSORS = 64
 
 
 class QuietSteps:
@@ -128,6 +133,7 @@ class QuietSteps:
         self._present: list[int] | None = None  # the tensors with a gradient, where not all
         self._layer_columns = np.zeros(0, dtype=np.int64)
         self._sums: np.ndarray | None = None  # [columns, tensors] 0/1, where small
+        self._small: list[int] | None = None  # each tensor's column, for `_judge_values`
 
     def __call__(self, step: int) -> bool:
         grads: list[torch.Tensor] = [p.grad for p in self._params]  # type: ignore[misc]
@@ -136,6 +142,8 @@ class QuietSteps:
             return False
         if self._present is not None:  # (frozen or absent gradients left out)
             grads = [grads[i] for i in self._present]
+        if self._small is not None:
+            return self._judge_values(step, grads, self._small)
         if self._packed is not None:
             squares = packed_squares(grads, self._packed)
         else:
@@ -157,6 +165,26 @@ class QuietSteps:
             self._flight.record_host(step, norms)
         return True
 
+    def _judge_values(self, step: int, grads: list[torch.Tensor], columns: list[int]) -> bool:
+        """`__call__` for a small model, its norms as Python floats: the same float64 squares
+        of the same fp32 norms, summed per layer, then the same tests and records."""
+        plain = torch.stack(torch._foreach_norm(grads, 2, dtype=self._accumulate)).tolist()
+        if self._columns == 1:
+            return math.isfinite(sum(norm * norm for norm in plain))
+        squares = [0.0] * self._columns
+        for norm, column in zip(plain, columns):
+            squares[column] += norm * norm
+        total = sum(squares)
+        if not math.isfinite(total):  # (NaN, Inf, or an fp32 norm that overflowed)
+            return False
+        squares[0] = total
+        norms = [math.sqrt(square) for square in squares]
+        if self._spikes is not None and not self._spikes.quiet_values(norms):
+            return False
+        if self._flight is not None:
+            self._flight.record_host(step, norms)
+        return True
+
     def _learn(self, plan: list[DevicePlan], grads: list[torch.Tensor]) -> bool:
         """Whether ``plan`` (a new layout) is the simple one this pass serves; if so, its
         columns are kept for the steps that follow."""
@@ -171,6 +199,8 @@ class QuietSteps:
         self._accumulate = accumulation_dtype(grads[group.indices[0]].dtype)
         self._layer_columns = self._tensor_layer[plan[0].tensors] + 1
         self._sums = None
+        small = len(self._layer_columns) <= SMALL_MODEL_TENSORS and self._packed is None
+        self._small = self._layer_columns.tolist() if small else None
         if self._columns * len(self._layer_columns) <= _SUMS_BY_PRODUCT:
             self._sums = np.zeros((self._columns, len(self._layer_columns)))
             self._sums[0] = 1.0
