@@ -21,7 +21,7 @@ from torch import nn
 from gradtrack import lifecycle
 from gradtrack.alerts import AlertEngine
 from gradtrack.capture.collect import Collector
-from gradtrack.capture.distributed import is_dtensor, rank_group
+from gradtrack.capture.distributed import is_dtensor, rank_group, replicated
 from gradtrack.capture.layers import (
     activation_modules,
     discover_layers,
@@ -129,13 +129,12 @@ class Watcher:
             self._collect_failed,
         )
         self.judge, self.probes = self.stepper.judge, self.stepper.probes
-        replicated = self.ranks is not None and self.ranks.layout == "replicated"
         self.assembler = Assembler(
             self.collector.index,
             config,
             self.alert_engine,
             self.activation_names,
-            world_size=self.ranks.world_size if self.ranks and replicated else 0,
+            world_size=self.ranks.world_size if replicated(self.ranks) else 0,
             drops=self.drops,
             mesh=None if self.collector.mesh is None else self.collector.mesh.places,
         )

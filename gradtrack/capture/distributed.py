@@ -19,7 +19,7 @@ Steps that are not logged see no collective at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,12 @@ class RankGroup:
         source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
+
+
+def replicated(ranks: RankGroup | None) -> TypeGuard[RankGroup]:
+    """Whether the watch runs over ranks that each hold every gradient (DDP, ZeRO-1/2's
+    reduced gradients); False alone and where each rank holds only its shards."""
+    return ranks is not None and ranks.layout == "replicated"
 
 
 def rank_group(

@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from gradtrack.capture.collect import Collector
-from gradtrack.capture.distributed import LocalNormProbe, RankGroup
+from gradtrack.capture.distributed import LocalNormProbe, RankGroup, replicated
 from gradtrack.capture.layers import unwrap_model
 from gradtrack.capture.origin import OriginProbe, float_tensors
 from gradtrack.capture.skip import ForwardCounter, OptimizerGate
@@ -173,7 +173,7 @@ class Probes:
             if output_modules:
                 self.activations = ActivationProbe(output_modules, is_due)
                 self.handles.extend(self.activations.handles)
-        if ranks is not None and ranks.layout == "replicated":
+        if replicated(ranks):
             self.local = LocalNormProbe(params, is_due)
             self.handles.extend(self.local.handles)
 
@@ -190,7 +190,7 @@ class Probes:
         have their local norms already)."""
         if not options.enabled or self._is_due is None:
             return
-        if ranks is not None and (ranks.layout != "replicated" or ranks.rank != 0):
+        if ranks is not None and (not replicated(ranks) or ranks.rank != 0):
             return  # (sharded gradients: no local gradient to compare; rank 0 records)
         if options.batch_size is None:
             self.batches = BatchCounter(model)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradtrack.capture.collect import Collector
-from gradtrack.capture.distributed import RankGroup
+from gradtrack.capture.distributed import RankGroup, replicated
 from gradtrack.capture.handover import Handover, OnError, StepCollector
 from gradtrack.capture.probes import Probes, StepSource
 from gradtrack.capture.verdict import StepJudge, StepSchedule, build_signals
@@ -136,8 +136,7 @@ def step_path(
     ``on_error`` hears of a step that could not be collected."""
     # The guard's verdict is read at every step unless each rank sees only its shards
     # (FSDP2): unlogged steps would need a collective, so the logged steps judge.
-    replicated = ranks is not None and ranks.layout == "replicated"
-    every_step = ranks is None or replicated
+    every_step = ranks is None or replicated(ranks)
     signals = build_signals(config, per_step, collector, stepped and not scaled, every_step, scaled)
     raising = config.alerts.with_action("raise")
     # A raise rule the step's norms cannot judge has the worker judge every due step.
