@@ -69,6 +69,7 @@ class Outbox:
                 self.couriers.append(Courier(sink, capacity, drops, report))
         self._patience_s = config.flush_timeout_s
         self._sync_told = False  # the sync command was named already
+        self._closing = False  # a close was posted: once the sinks are done, the spool closes
 
     @property
     def sinks(self) -> list[GradientSink]:
@@ -107,6 +108,7 @@ class Outbox:
         of its own, so that a sink stuck on its tracker never holds up the worker."""
         if closing is not None and self.spool is not None:
             self.spool.note_outcome(closing)
+            self._closing = True
         finished = []
         for courier in self.couriers:
             finished.append(courier.request_flush(self._patience_s))
@@ -153,6 +155,8 @@ class Outbox:
             told = courier.describe_left()
             if told:
                 parts.append(f"{type(courier.sink).__name__} {told}" if named else told)
+        if not parts and self._closing:  # (every sink done: the close thread releases it)
+            return "closing the run's spool"
         return "; ".join(parts)
 
     def _starting(self) -> bool:
