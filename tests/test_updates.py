@@ -234,3 +234,32 @@ def test_without_an_optimizer_the_watching_line_says_what_is_missing_once(
         len(missing) == 1 and "update ratios and the learning-rate diagnosis are off" in missing[0]
     )
     assert all(r.update_norms is None for r in sink.records)
+
+
+@pytest.mark.parametrize("signals", [True, "sampled"], ids=["exact", "sampled"])
+def test_layers_of_two_dtypes_get_their_own_updates_in_their_own_order(signals: Any) -> None:
+    """A float64 layer between float32 ones: the probes measure each dtype's tensors in a
+    pass of their own, and the rows come back in the parameters' order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[2].double()
+    model.forward = lambda x: model[4](model[3](model[2](model[1](model[0](x)).double()).float()))  # type: ignore[method-assign]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sink = MemorySink()
+    expected: dict[int, list[float]] = {}
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, update_signals=signals):
+        for step in range(11):
+            optimizer.zero_grad()
+            model(torch.randn(4, 6)).pow(2).mean().backward()
+            before = layer_norms(model)
+            optimizer.step()
+            after = layer_norms(model)
+            expected[step] = [
+                norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
+                for name in ("0", "2", "4")
+            ]
+    assert [r.step for r in sink.records] == [0, 10]
+    for record in sink.records:
+        assert record.layers == ("0", "2", "4")
+        # every tensor here is small enough to be taken whole: the sample is exact too
+        np.testing.assert_allclose(record.update_ratios(), expected[record.step], rtol=1e-5)  # type: ignore[arg-type]

@@ -52,7 +52,10 @@ class UpdateProbe:
     def before(self) -> None:
         """Copy the weights (into the reused buffers) and take their norms."""
         with torch.no_grad():
-            weights = [[self._params[i].detach() for i in group] for group in self._groups]
+            # (no detach: under no_grad a parameter is read as it is, one op fewer a tensor)
+            weights: list[list[Tensor]] = [
+                [self._params[i] for i in group] for group in self._groups
+            ]
             if self._snapshots is None:
                 self._snapshots = [[torch.empty_like(w) for w in ws] for ws in weights]
             self._param_norms = []
@@ -66,17 +69,9 @@ class UpdateProbe:
         with torch.no_grad():
             updates = []
             for group, snapshot in zip(self._groups, self._snapshots):
-                torch._foreach_sub_(snapshot, [self._params[i].detach() for i in group])
+                torch._foreach_sub_(snapshot, [self._params[i] for i in group])
                 updates.append(weight_norms(snapshot))
-            device = self._param_norms[0].device
-            rows = torch.stack(
-                [
-                    torch.cat([n.to(device) for n in self._param_norms]),
-                    torch.cat([n.to(device) for n in updates]),
-                ],
-                dim=1,
-            )
-            return copy_to_host(rows[self._index(self._inverse, device)])
+            return update_rows(self._param_norms, updates, self._index, self._inverse)
 
 
 def device_groups(params: Sequence[Tensor]) -> tuple[list[list[int]], np.ndarray]:
@@ -90,9 +85,33 @@ def device_groups(params: Sequence[Tensor]) -> tuple[list[list[int]], np.ndarray
 
 
 def weight_norms(tensors: list[Tensor]) -> Tensor:
-    """float64 L2 norms (fp32 accumulation for fp16/bf16 weights)."""
+    """L2 norms, in fp32 for fp16/bf16/fp32 weights (fp32 accumulation), fp64 for fp64."""
     accumulate = accumulation_dtype(tensors[0].dtype)
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=accumulate)).double()
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=accumulate))
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of `weight_norms` for weights of ``dtype``."""
+    return torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32
+
+
+def update_rows(
+    param_norms: list[Tensor], updates: list[Tensor], index: DeviceIndex, inverse: np.ndarray
+) -> tuple[Tensor, torch.cuda.Event | None]:
+    """Each group's (‖W‖, ‖ΔW‖) as float64 ``[tensors, 2]`` rows in the parameters' order on
+    the first group's device, and their host copy's event (`stats.copy_to_host`). One group
+    (one device and dtype, the usual case) is in that order already: two operations."""
+    if len(param_norms) == 1:
+        return copy_to_host(torch.stack([param_norms[0], updates[0]], dim=1).double())
+    device = param_norms[0].device
+    rows = torch.stack(
+        [
+            torch.cat([n.to(device, torch.float64) for n in param_norms]),
+            torch.cat([n.to(device, torch.float64) for n in updates]),
+        ],
+        dim=1,
+    )
+    return copy_to_host(rows[index(inverse, device)])
 
 
 SAMPLE_SIZE = 1024  # elements of each tensor compared before and after the step
@@ -156,9 +175,9 @@ class SampledUpdateProbe:
         with torch.no_grad():
             self._samples = [[torch.empty_like(v) for v in vs] for vs in self._sample_views()]
         self._scales = [
-            torch.tensor(
+            torch.tensor(  # (in the norms' dtype: the product needs no conversion)
                 [self._lattices[i].scale for i in group],
-                dtype=torch.float64,
+                dtype=_norm_dtype(self._params[group[0]].dtype),
                 device=self._params[group[0]].device,
             )
             for group in self._groups
@@ -196,7 +215,4 @@ class SampledUpdateProbe:
             for samples, scales, sampled in zip(self._samples, self._scales, views):
                 torch._foreach_sub_(samples, sampled)
                 updates.append(weight_norms(samples) * scales)
-            device = self._params[0].device
-            params = torch.cat([n.to(device) for n in self._param_norms])
-            rows = torch.stack([params, torch.cat([n.to(device) for n in updates])], dim=1)
-            return copy_to_host(rows[self._index(self._inverse, device)])
+            return update_rows(self._param_norms, updates, self._index, self._inverse)
