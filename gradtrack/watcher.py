@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from gradtrack import lifecycle
-from gradtrack.alerts import AlertEngine
 from gradtrack.capture.collect import Collector
 from gradtrack.capture.distributed import is_dtensor, rank_group, replicated
 from gradtrack.capture.layers import (
@@ -39,8 +38,9 @@ from gradtrack.lifecycle import Outcome, outcome_of
 from gradtrack.log import logger, report
 from gradtrack.sinks import finish_in_caller_thread
 from gradtrack.sinks.base import GradientSink
-from gradtrack.worker.assemble import Assembler
-from gradtrack.worker.thread import Worker
+from gradtrack.worker.assemble import AssemblerPlan
+from gradtrack.worker.process import WorkerProcess, runs_apart
+from gradtrack.worker.thread import AlertActions, Worker
 
 AlertCallback = Callable[[AlertEvent], None]
 
@@ -84,14 +84,17 @@ class Watcher:
         self.mailbox = Mailbox.for_options(config.delivery, self.drops)
         watched_outputs = activation_modules(inner, config) if config.activations else []
         self.activation_names = tuple(name for name, _ in watched_outputs)
-        rank = 0 if self.ranks is None else self.ranks.rank
-        self.alert_engine = AlertEngine(
-            config.alerts,
-            self.collector.index.layer_names,
-            rank,
+        self.plan = AssemblerPlan(
+            self.collector.index,
+            config,
+            rank=0 if self.ranks is None else self.ranks.rank,
             kinds=layer_kinds(self.layers, config.granularity),
             saturating=saturating_layers(inner, self.layers),
+            activation_names=self.activation_names,
+            world_size=self.ranks.world_size if replicated(self.ranks) else 0,
+            mesh=None if self.collector.mesh is None else self.collector.mesh.places,
         )
+        self.alert_engine = self.plan.engine()
         self.collect_errors = 0
         self.closed = False
         self._steps = steps
@@ -129,18 +132,16 @@ class Watcher:
             self._collect_failed,
         )
         self.judge, self.probes = self.stepper.judge, self.stepper.probes
-        self.assembler = Assembler(
-            self.collector.index,
-            config,
-            self.alert_engine,
-            self.activation_names,
-            world_size=self.ranks.world_size if replicated(self.ranks) else 0,
-            drops=self.drops,
-            mesh=None if self.collector.mesh is None else self.collector.mesh.places,
-        )
-        self.worker = Worker(
-            self.assembler, sinks, self.mailbox, config, on_alert=on_alert, drops=self.drops
-        )
+        act = AlertActions(self.alert_engine, on_alert).act
+        self.worker: Worker | WorkerProcess
+        if runs_apart(sinks, config):
+            try:
+                self.worker = WorkerProcess(self.plan, sinks, self.mailbox, act, self.drops)
+                return
+            except OSError as exc:
+                report(f"gradtrack could not start its worker process ({exc!r}); it runs as a thread")
+        assembler = self.plan.assembler(self.alert_engine, self.drops)
+        self.worker = Worker(assembler, sinks, self.mailbox, config, act, self.drops)
 
     # -- public state -------------------------------------------------------------------
     @property

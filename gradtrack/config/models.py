@@ -281,6 +281,13 @@ class DeliveryOptions(BaseModel):
         "console, W&B, your own); past it the oldest are dropped, counted and logged as "
         "gradtrack/dropped.",
     )
+    process: bool = Field(
+        True,
+        description="Run the worker (records, rules, histograms, the spool, the trackers' "
+        "clients) in a child process, where its Python cannot take the GIL your training "
+        "thread needs: where every sink can be made there (MLflow with the spool on disk), "
+        "else it is a thread of the training process. False: always a thread.",
+    )
 
 
 class SpoolOptions(BaseModel):

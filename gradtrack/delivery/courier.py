@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from gradtrack.config import GradtrackConfig
@@ -175,14 +176,56 @@ class Outbox:
 
     def sync_hint(self) -> str:
         """Where undelivered items wait, and the command that delivers them."""
-        if self.spool is None or self.spool.path is None:
-            return "steps still queued are lost with this process (the spool is off)"
-        self._sync_told = True
-        path = self.spool.path
-        return (
-            f"{self.left():,} item(s) (steps and alerts) not yet delivered are kept in {path}; "
-            f"deliver them with: gradtrack sync {path}"
+        path = None if self.spool is None else self.spool.path
+        self._sync_told = path is not None
+        return sync_hint(path, self.left())
+
+    def targets(self) -> list[dict[str, Any] | None]:
+        """Per sink, how its tracker's run is reached now (`TrackerSink.spool_target`; None
+        for a sink without a spool)."""
+        return [courier.target for courier in self.couriers]
+
+    def state(self) -> DeliveryState:
+        """What the training process of a worker process asks of delivery (see
+        `gradtrack.worker.process`), taken at once."""
+        return DeliveryState(
+            left=self.left(),
+            waiting_for=self.describe_left(),
+            starting=self._starting(),
+            sink_errors=tuple(self.sink_errors),
+            failures=tuple(courier.failures for courier in self.couriers),
+            spool=None if self.spool is None or self.spool.path is None else str(self.spool.path),
         )
+
+
+@dataclass(frozen=True)
+class DeliveryState:
+    """Delivery as an `Outbox` sees it: items left, the progress line's words, whether a
+    first connection is under way, each sink's failed calls and retried sends, the spool's
+    folder (None: in memory)."""
+
+    left: int
+    waiting_for: str
+    starting: bool
+    sink_errors: tuple[int, ...]
+    failures: tuple[int, ...]
+    spool: str | None
+
+
+def sync_hint(path: Path | str | None, left: int) -> str:
+    """Where undelivered items wait, and the command that delivers them.
+
+    >>> sync_hint(None, 3)
+    'steps still queued are lost with this process (the spool is off)'
+    >>> sync_hint("/s/run", 2)
+    '2 item(s) (steps and alerts) not yet delivered are kept in /s/run; deliver them with: gradtrack sync /s/run'
+    """
+    if path is None:
+        return "steps still queued are lost with this process (the spool is off)"
+    return (
+        f"{left:,} item(s) (steps and alerts) not yet delivered are kept in {path}; "
+        f"deliver them with: gradtrack sync {path}"
+    )
 
 
 def sink_id(index: int, sink: GradientSink) -> str:
@@ -313,6 +356,7 @@ class SinkCourier(ABC):
     def __init__(self, sink: GradientSink, on_error: Callable[[str], None]) -> None:
         self.sink = sink  # as it was given (what `Watcher.sinks` shows)
         self.errors = 0
+        self.failures = 0  # sends that failed and were retried (a spooled courier's)
         self._name = type(sink).__name__
         self._on_error = on_error
         self._calls: deque[CourierCall] = deque()
@@ -336,6 +380,11 @@ class SinkCourier(ABC):
     @abstractmethod
     def starting(self) -> bool:
         """The first delivery (an SDK's import, a run's creation) is under way."""
+
+    @property
+    def target(self) -> dict[str, Any] | None:
+        """How the sink's tracker run is reached, as the spool records it (None: no spool)."""
+        return None
 
     @abstractmethod
     def hand_over(self, records: Sequence[StepRecord], events: Sequence[AlertEvent]) -> None:
@@ -553,7 +602,6 @@ class SpooledCourier(SinkCourier):
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self._outage = False
-        self.failures = 0  # sends that failed and were retried
         self.stalled = False  # the tracker refuses, and waiting does not help
         self._progress_at = -float("inf")  # the last send that went
         self.broken: str | None = None  # why delivery stopped for good (an unreadable spool)
@@ -729,6 +777,7 @@ class SpooledCourier(SinkCourier):
         try:
             if call.method == "close":
                 self._call("end", self._end, complete, call.outcome)
+                self._describe()  # (whether it ended its run)
             else:
                 self._call(call.method, self._tracker.flush)
             call.done.set()
@@ -768,6 +817,10 @@ class SpooledCourier(SinkCourier):
     @property
     def left(self) -> int:
         return max(0, self.spool.last_seq - min(lane.position for lane in self._lanes))
+
+    @property
+    def target(self) -> dict[str, Any] | None:
+        return self._target
 
 
 def yield_cpu_to_training() -> None:

@@ -113,6 +113,12 @@ class DropCount:
                 "watcher.dropped_steps and logged as gradtrack/dropped"
             )
 
+    def count(self, n: int) -> None:
+        """Add ``n`` steps whose loss was told where it happened: in the other process of a
+        watch whose worker runs apart (`gradtrack.worker.process`)."""
+        with self._lock:
+            self.total += n
+
 
 @dataclass
 class Control:

@@ -94,6 +94,14 @@ def build_sinks(
     return sinks
 
 
+def from_recipe(recipe: dict[str, Any]) -> GradientSink:
+    """The sink a `SinkBase.recipe` describes, made again in a worker process."""
+    backend = recipe.get("backend")
+    if backend == "mlflow":
+        return __getattr__("MlflowSink").in_worker_process(recipe)
+    raise GradtrackError(f"a worker process cannot make a {backend!r} sink; it knows: mlflow")
+
+
 def finish_in_caller_thread(sinks: Sequence[GradientSink]) -> list[str]:
     """After the sinks closed, in the thread that closes the watcher (MLflow's active run is
     per thread): each sink's `SinkBase.end_shared_run` — a run the MLflow sink shared with the
@@ -126,6 +134,7 @@ __all__ = [
     "build_sinks",
     "create_sink",
     "finish_in_caller_thread",
+    "from_recipe",
     "register_sink",
     "registered_sinks",
 ]

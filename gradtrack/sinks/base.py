@@ -95,6 +95,20 @@ class SinkBase(ABC):
         calls. Default: nothing to end."""
         return None  # a declared no-op
 
+    def recipe(self) -> dict[str, Any] | None:
+        """How a worker process makes this sink again (`gradtrack.sinks.from_recipe`): a
+        picklable dict whose ``"backend"`` names the sink, handed to the child through a
+        pipe. None (the default): the sink can only live in the training process, and so
+        the watch's worker stays a thread there (`gradtrack.worker.process`)."""
+        return None
+
+    def adopt(self, target: dict[str, Any]) -> None:
+        """The copy a worker process made of this sink moved on (its
+        `TrackerSink.spool_target`: the run it started, or ended): bring this one up to
+        date for `report_command` and `end_shared_run`, which run here. Default: nothing to
+        follow."""
+        return None  # a declared no-op
+
 
 class _PlainSink(SinkBase):
     """A user's `GradientSink` that is not a `SinkBase`: its four methods, the defaults for

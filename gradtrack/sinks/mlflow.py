@@ -179,10 +179,40 @@ class MlflowSink(TrackerSink):
             "tracking_uri": portable_uri(self.tracking_uri),
             "run_id": self.run_id,
             "owns_run": self.owns_run,
+            "ended": self._run.ended,
             "model_name": self._model,
             "options": self.options.model_dump(mode="json", exclude={"tracking_uri"}),
             "cwd": os.getcwd(),  # where MLflow's default store is, if none was named
         }
+
+    def recipe(self) -> dict[str, Any]:
+        """This sink for a worker process (`in_worker_process`): its own config (secrets
+        included: it goes through a pipe, never to disk), the run and where it is."""
+        return {
+            "backend": "mlflow",
+            "config": self.config,
+            "tracking_uri": self.tracking_uri,
+            "run_id": self.run_id,
+            "owns_run": self.owns_run,
+        }
+
+    @classmethod
+    def in_worker_process(cls, recipe: dict[str, Any]) -> MlflowSink:
+        """The copy of a training process's sink that a worker process delivers with: the
+        same run (started there when it was shared with the user's thread, else here at the
+        first send), never MLflow's active run here."""
+        config: GradtrackConfig = recipe["config"]
+        options = config.mlflow.model_copy(update={"share_run": False})
+        sink = cls(config.model_copy(update={"mlflow": options}), run_id=recipe["run_id"])
+        sink._run.tracking_uri = recipe["tracking_uri"] or sink._run.tracking_uri
+        sink._run.owns_run = bool(recipe["owns_run"]) or recipe["run_id"] is None
+        return sink
+
+    def adopt(self, target: dict[str, Any]) -> None:
+        """Follow the worker process's copy: the run it started, and whether it ended it."""
+        self._run.run_id = target.get("run_id") or self._run.run_id
+        self._run.owns_run = bool(target.get("owns_run"))
+        self._run.ended = bool(target.get("ended"))
 
     @classmethod
     def from_spool_target(

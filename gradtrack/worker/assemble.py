@@ -79,6 +79,43 @@ class LayerWrites:
         return replace(record, layer_detail="norms")
 
 
+@dataclass(frozen=True)
+class AssemblerPlan:
+    """What a watch's `Assembler` and `AlertEngine` are made of, before either holds any
+    state: plain data that pickles, so that a worker process builds the very assembler (and
+    rules) a worker thread would, while the training process builds the same engine for its
+    per-step rules and alert actions."""
+
+    index: TensorIndex
+    config: GradtrackConfig
+    rank: int
+    kinds: tuple[str, ...]
+    saturating: tuple[bool, ...]
+    activation_names: tuple[str, ...] = ()
+    world_size: int = 0
+    mesh: MeshPlaces | None = None
+
+    def engine(self) -> AlertEngine:
+        return AlertEngine(
+            self.config.alerts,
+            self.index.layer_names,
+            self.rank,
+            kinds=self.kinds,
+            saturating=self.saturating,
+        )
+
+    def assembler(self, engine: AlertEngine, drops: DropCount | None = None) -> Assembler:
+        return Assembler(
+            self.index,
+            self.config,
+            engine,
+            self.activation_names,
+            world_size=self.world_size,
+            drops=drops,
+            mesh=self.mesh,
+        )
+
+
 class Assembler:
     """Builds a step's records (`RecordBuilder`) and evaluates the rules on them; every
     failing part is reported once and leaves the rest of the record, and the rules, to

@@ -39,9 +39,11 @@ class Worker:
         sinks: Sequence[GradientSink],
         mailbox: Mailbox,
         config: GradtrackConfig,
-        on_alert: Callable[[AlertEvent], None] | None = None,
+        act: Callable[[AlertEvent], None],
         drops: DropCount | None = None,
     ) -> None:
+        """``act``: what each alert event asks (`AlertActions.act` in the training process;
+        sent back to it from a worker process, `gradtrack.worker.process`)."""
         self.drops = drops = drops or DropCount(report)
         self.outbox = Outbox(sinks, config, drops, queued=mailbox.__len__)
         self.record_errors = 0
@@ -49,7 +51,7 @@ class Worker:
         self._mailbox = mailbox
         self._max_batch_steps = config.delivery.max_batch_steps
         self._gather_s = config.delivery.batch_wait_s
-        self.actions = AlertActions(assembler.alert_engine, on_alert)
+        self._act = act
         self._awaiting: AssembledStep | None = None  # a judged step, until its update follows
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
@@ -84,6 +86,10 @@ class Worker:
             # interpreter exit a worker still tearing down can abort the process.
             self._thread.join(timeout_s)
         return done
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Wait for the worker's thread to end (after a stop)."""
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         try:
@@ -137,7 +143,7 @@ class Worker:
         for event in step.events:
             if not event.silenced:  # within its rule's cooldown: it only raised
                 events.append(event)
-                self.actions.act(event)
+                self._act(event)
 
     def _release_awaiting(self, records: list[StepRecord]) -> None:
         """A judged step's records, held for its update, go on."""

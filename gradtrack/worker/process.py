@@ -1,0 +1,518 @@
+"""The worker in a process of its own, where its Python cannot take the GIL the training
+thread needs at every op.
+
+A worker thread shares the training process's GIL: on a short step (a small model, a
+launch-bound accelerator loop) its record assembly, rules, histogram binning, spool and the
+trackers' clients cost the training loop more than their own time (benchmarks/README.md,
+"Where the worker's Python should run"). Where every sink can be made again in a child
+(`SinkBase.recipe`: MLflow today), the watch runs its `Worker` there instead
+(`WorkerProcess`), and the training process keeps only the two threads that talk to it:
+
+    training thread ── Mailbox ──▶ gradtrack-feed ══ pipe ══▶ child: Mailbox → Worker
+                                                                       (records, rules,
+    alert actions, replies, ◀── gradtrack-listen ◀══ pipe ══  spool, couriers → tracker)
+    delivery state, log lines
+
+The feed thread pickles each step's host copies (tensors as numpy arrays: ~50 µs a step)
+and the listen thread wakes only for what the child says back: an alert to act on in the
+training process (`AlertActions`: warnings, logging, ``on_alert``), the answer a raise rule
+waits for, the sinks' delivery state a few times a second (for flush, close and their
+progress lines), and the child's log lines. Skip and raise are still judged on the training
+thread, before the optimizer step.
+
+Faults: a child that dies is reported once, with the spool it leaves for ``gradtrack sync``;
+steps after it are dropped and counted. A training process killed outright (SIGKILL, the
+OOM killer) leaves the child to deliver every step it already holds, end the run as KILLED
+and remove its spool. A close that gives up on an unreachable tracker stops the child, so
+that its spool is free for ``gradtrack sync`` at once.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import itertools
+import json
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+import torch
+
+from gradtrack.config import GradtrackConfig
+from gradtrack.delivery.courier import (
+    DeliveryState,
+    sync_hint,
+    wait_while_progressing,
+    yield_cpu_to_training,
+)
+from gradtrack.formats.event import AlertEvent
+from gradtrack.handoff.mailbox import (
+    Control,
+    DropCount,
+    Mailbox,
+    PendingStep,
+    QueuedStep,
+    Reply,
+    UpdateFollowUp,
+)
+from gradtrack.lifecycle import Outcome
+from gradtrack.log import logger, report
+from gradtrack.sinks.base import GradientSink, as_sink_base
+from gradtrack.worker.assemble import AssemblerPlan
+
+_PATH_VARIABLE = "GRADTRACK_WORKER_SYS_PATH"  # the training process's sys.path, for the child
+_STATE_EVERY_S = 0.2  # how often the child says how delivery stands, while it changes
+_EXIT_WAIT_S = 10.0  # a child that closed its sinks exits within this
+
+
+def runs_apart(sinks: Sequence[GradientSink], config: GradtrackConfig) -> bool:
+    """Whether a watch's worker runs in a child process: ``delivery.process`` is on, this is
+    POSIX (the pipes are handed over as file descriptors), and every sink can be made there."""
+    return (
+        config.delivery.process
+        and os.name == "posix"
+        and bool(sys.executable)
+        and all(as_sink_base(sink).recipe() is not None for sink in sinks)
+    )
+
+
+@dataclass
+class _Setup:
+    """The child's first message: what its worker is made of."""
+
+    plan: AssemblerPlan
+    recipes: list[dict[str, Any]]
+
+
+@dataclass
+class _Report:
+    """How delivery stands in the child: its `DeliveryState`, each tracker sink's target
+    (`TrackerSink.spool_target`, for `SinkBase.adopt`), and the steps the child itself lost."""
+
+    state: DeliveryState
+    targets: tuple[dict[str, Any] | None, ...]
+    dropped: int
+
+
+# -- the training process's side -------------------------------------------------------------
+class WorkerProcess:
+    """The watch's `Worker`, run in a child process, as the training process sees it: the
+    same members the `Watcher` uses (`request`, `sinks`, `sink_errors`, `sync_hint`)."""
+
+    def __init__(
+        self,
+        plan: AssemblerPlan,
+        sinks: Sequence[GradientSink],
+        mailbox: Mailbox,
+        act: Callable[[AlertEvent], None],
+        drops: DropCount,
+    ) -> None:
+        self._sinks = list(sinks)
+        self._mailbox = mailbox
+        self._act = act
+        self._drops = drops
+        self._max_batch_steps = plan.config.delivery.max_batch_steps
+        n = len(self._sinks)
+        self._state = DeliveryState(0, "", True, (0,) * n, (0,) * n, None)
+        self._targets: tuple[dict[str, Any] | None, ...] = (None,) * n
+        self._child_dropped = 0
+        self._replies: dict[int, Reply] = {}
+        self._controls: dict[int, threading.Event] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._gone = threading.Event()  # the child exited (its end of the pipe closed)
+        setup = _Setup(plan, [as_sink_base(sink).recipe() or {} for sink in self._sinks])
+        self._process, self._to_child, self._from_child = _spawn()
+        self._feeder = threading.Thread(
+            target=self._feed, args=(setup,), name="gradtrack-feed", daemon=True
+        )
+        self._listener = threading.Thread(target=self._listen, name="gradtrack-listen", daemon=True)
+        self._feeder.start()
+        self._listener.start()
+
+    @property
+    def pid(self) -> int:
+        """The worker process's id."""
+        return self._process.pid
+
+    @property
+    def sinks(self) -> list[GradientSink]:
+        return self._sinks
+
+    @property
+    def sink_errors(self) -> list[int]:
+        return list(self._state.sink_errors)
+
+    @property
+    def delivery_failures(self) -> list[int]:
+        """Per sink, sends that failed and were retried (in the child)."""
+        return list(self._state.failures)
+
+    def sync_hint(self) -> str:
+        """Where undelivered items wait, and the command that delivers them."""
+        return sync_hint(self._state.spool, self._left())
+
+    def request(
+        self, kind: Literal["flush", "stop"], timeout_s: float, outcome: Outcome = "FINISHED"
+    ) -> bool:
+        """As `Worker.request`: the child flushes (or flushes and closes) its sinks; False if
+        delivery made no progress for ``timeout_s``. A stop that gave up (or was interrupted)
+        ends the child, leaving its spool to ``gradtrack sync``."""
+        if self._gone.is_set():
+            return True  # (its end was reported when it came)
+        if kind == "stop":
+            self._stopping = True
+            for sink in self._sinks:  # how training ended, for end_shared_run here
+                as_sink_base(sink).outcome = outcome
+        control = Control(kind, outcome)
+        self._mailbox.put_control(control)
+        names = ", ".join(type(sink).__name__ for sink in self._sinks)
+        done = False
+        try:
+            done = wait_while_progressing(
+                control.done,
+                self._left,
+                timeout_s,
+                "delivering to " + names,
+                busy=lambda: self._state.starting,
+                waiting_for=self._waiting_for,
+            )
+        except KeyboardInterrupt:
+            if self._state.spool is not None:
+                report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
+            self._end_child(done=False)
+            raise
+        if kind == "stop":
+            self._end_child(done)
+        return done
+
+    def _left(self) -> int:
+        return len(self._mailbox) + self._state.left
+
+    def _waiting_for(self) -> str:
+        waiting = len(self._mailbox)
+        told = [f"{waiting:,} step(s) not yet handed to the worker process"] if waiting else []
+        return "; ".join(told + ([self._state.waiting_for] if self._state.waiting_for else []))
+
+    def _end_child(self, done: bool) -> None:
+        """After a stop: let the child exit (it does once its sinks closed), or end it where
+        delivery gave up, so that its spool is free for ``gradtrack sync`` when close returns."""
+        self._stopping = True
+        if done:
+            try:
+                self._process.wait(_EXIT_WAIT_S)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        self._process.terminate()
+        try:
+            self._process.wait(_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    # -- the feed thread: steps and controls to the child ----------------------------------
+    def _feed(self, setup: _Setup) -> None:
+        yield_cpu_to_training()
+        try:
+            self._to_child.send(setup)
+            while True:
+                items = self._mailbox.take(self._max_batch_steps)
+                steps = [self._outgoing(item) for item in items if not isinstance(item, Control)]
+                if steps:
+                    self._to_child.send_bytes(_dumps(("steps", steps, self._mailbox.dropped)))
+                if items and isinstance(items[-1], Control):
+                    control = items[-1]
+                    key = next(self._ids)
+                    with self._lock:
+                        self._controls[key] = control.done
+                    self._to_child.send(("control", control.kind, control.outcome, key))
+                    if control.kind == "stop":
+                        return
+        except (OSError, EOFError, ValueError):
+            pass  # the child is gone: the listen thread tells it
+        except BaseException as exc:  # a bug must be told, not die silently with the data
+            report(f"gradtrack could not hand steps to its worker process: {exc!r}")
+            self._process.terminate()
+
+    def _outgoing(self, item: QueuedStep) -> tuple[int | None, QueuedStep]:
+        """A step as it crosses: its host copies complete, its reply kept here (by id)."""
+        if isinstance(item, UpdateFollowUp):
+            if item.update is not None:
+                rows, ready = item.update
+                if ready is not None:
+                    ready.synchronize()
+                item.update = (rows, None)
+            return None, item
+        for part in item.parts:
+            part.wait()
+            part.ready = None
+        reply, item.reply = item.reply, None
+        if reply is None:
+            return None, item
+        key = next(self._ids)
+        with self._lock:
+            self._replies[key] = reply
+        return key, item
+
+    # -- the listen thread: what the child says back ---------------------------------------
+    def _listen(self) -> None:
+        yield_cpu_to_training()
+        try:
+            while True:
+                self._take(self._from_child.recv())
+        except (OSError, EOFError):
+            pass
+        except BaseException as exc:
+            report(f"gradtrack could not read its worker process's answer: {exc!r}")
+            self._process.terminate()
+        self._child_gone()
+
+    def _take(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "event":
+            self._act(message[1])
+        elif kind == "reply":
+            _, key, event, judged = message
+            with self._lock:
+                reply = self._replies.pop(key, None)
+            if reply is not None:
+                reply.answer(event) if judged else reply.fail()
+        elif kind == "state":
+            self._follow(message[1])
+        elif kind == "done":
+            with self._lock:
+                done = self._controls.pop(message[1], None)
+            if done is not None:
+                done.set()
+        elif kind == "log":
+            logger.log(message[1], "%s", message[2])
+
+    def _follow(self, told: _Report) -> None:
+        self._state = told.state
+        if told.dropped > self._child_dropped:
+            self._drops.count(told.dropped - self._child_dropped)
+            self._child_dropped = told.dropped
+        for sink, target, before in zip(self._sinks, told.targets, self._targets):
+            if target is not None and target != before:
+                as_sink_base(sink).adopt(target)
+        self._targets = told.targets
+
+    def _child_gone(self) -> None:
+        code = self._process.wait()
+        self._gone.set()
+        if not self._stopping:
+            report(
+                f"gradtrack's worker process stopped (exit code {code}); steps are no longer "
+                f"delivered; {self.sync_hint()}"
+            )
+        self._mailbox.close()
+        with self._lock:
+            replies, self._replies = list(self._replies.values()), {}
+            controls, self._controls = list(self._controls.values()), {}
+        for reply in replies:
+            reply.fail()
+        for done in controls:
+            done.set()
+
+
+def _spawn() -> tuple[subprocess.Popen[bytes], Connection, Connection]:
+    """Start the child with two pipes of its own (not its stdin or stdout, which stay the
+    terminal's: a tracker's SDK may print)."""
+    to_child_read, to_child = os.pipe()
+    from_child, from_child_write = os.pipe()
+    env = {**os.environ, _PATH_VARIABLE: json.dumps(sys.path)}
+    code = (
+        f"import json, os, sys; sys.path[:] = json.loads(os.environ.pop({_PATH_VARIABLE!r})); "
+        "from gradtrack.worker.process import main; main(sys.argv[1:])"
+    )
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, str(to_child_read), str(from_child_write)],
+            pass_fds=(to_child_read, from_child_write),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+    except BaseException:
+        for fd in (to_child, from_child):
+            os.close(fd)
+        raise
+    finally:
+        os.close(to_child_read)
+        os.close(from_child_write)
+    return process, Connection(to_child, readable=False), Connection(from_child, writable=False)
+
+
+def _tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """A host tensor as its numpy array: ten times quicker to pickle than torch's own way."""
+    try:
+        return torch.from_numpy, (tensor.detach().cpu().numpy(),)
+    except (TypeError, RuntimeError):  # bfloat16 and the like
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def _dumps(message: object) -> bytes:
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _tensor}
+    pickler.dump(message)
+    return buffer.getvalue()
+
+
+# -- the child's side ------------------------------------------------------------------------
+class _Up:
+    """The child's one way back: messages sent whole, from any of its threads."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._lock = threading.Lock()
+        self.gone = False  # the training process closed its end: it died
+
+    def __call__(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            if self.gone:
+                return
+            try:
+                self._connection.send(message)
+            except OSError:
+                self.gone = True
+
+
+class _ReplyUp(Reply):
+    """A raise rule's answer, sent back to the training thread that waits for it."""
+
+    def __init__(self, key: int, up: _Up) -> None:
+        super().__init__()
+        self._key, self._up = key, up
+
+    def answer(self, event: AlertEvent | None) -> None:
+        self._up(("reply", self._key, event, True))
+
+    def fail(self) -> None:
+        self._up(("reply", self._key, None, False))
+
+
+class _LogUp(logging.Handler):
+    """The child's gradtrack log lines, logged again in the training process."""
+
+    def __init__(self, up: _Up) -> None:
+        super().__init__(logging.INFO)
+        self._up = up
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._up(("log", record.levelno, record.getMessage()))
+
+
+def main(argv: Sequence[str]) -> None:
+    """The worker process: ``argv`` holds the two pipes' file descriptors (from, to the
+    training process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+    torch.set_num_threads(1)  # the cores are training's
+    inbox = Connection(int(argv[0]), writable=False)
+    up = _Up(Connection(int(argv[1]), readable=False))
+    logger.addHandler(_LogUp(up))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    child = _Child(inbox.recv(), up)
+    child.serve(inbox)
+
+
+class _Child:
+    """The worker and what talks to it in the child: steps into its mailbox, controls
+    answered once done, the delivery state sent up while it changes."""
+
+    def __init__(self, setup: _Setup, up: _Up) -> None:
+        # Imported here: the worker and the trackers' sinks load in the child only.
+        from gradtrack.sinks import from_recipe
+        from gradtrack.worker.thread import Worker
+
+        config = setup.plan.config
+        self._up = up
+        self.drops = DropCount(report)
+        self._elsewhere = 0  # steps the training process's mailbox dropped, counted here too
+        engine = setup.plan.engine()
+        assembler = setup.plan.assembler(engine, self.drops)
+        sinks = [from_recipe(recipe) for recipe in setup.recipes]
+        options = config.delivery
+        self.mailbox = Mailbox(options.queue_size, "block", None, options.queue_mib << 20)
+        self.worker = Worker(assembler, sinks, self.mailbox, config, self._event, self.drops)
+        self._patience_s = config.flush_timeout_s
+        self._stopped = threading.Event()
+        self._told: _Report | None = None
+        threading.Thread(target=self._tell, name="gradtrack-state", daemon=True).start()
+
+    def _event(self, event: AlertEvent) -> None:
+        self._up(("event", event))
+
+    def serve(self, inbox: Connection) -> None:
+        """Take messages until the training process stops the worker, or goes away."""
+        while not self._stopped.is_set():
+            try:
+                message = inbox.recv()
+            except (EOFError, OSError):
+                self._orphaned()
+                break
+            if message[0] == "steps":
+                self._steps(message[1], message[2])
+            else:
+                _, kind, outcome, key = message
+                self._control(kind, outcome, key)
+        self.worker.join()
+        self._send_state()
+
+    def _steps(self, steps: list[tuple[int | None, QueuedStep]], dropped_there: int) -> None:
+        if dropped_there > self._elsewhere:
+            self.drops.count(dropped_there - self._elsewhere)
+            self._elsewhere = dropped_there
+        for key, item in steps:
+            if key is not None and isinstance(item, PendingStep):
+                item.reply = _ReplyUp(key, self._up)
+            self.mailbox.put_step(item)
+
+    def _control(self, kind: Literal["flush", "stop"], outcome: Outcome, key: int) -> None:
+        control = Control(kind, outcome)
+        self.mailbox.put_control(control)
+
+        def answer() -> None:
+            control.done.wait()
+            self._send_state()
+            self._up(("done", key))
+            if kind == "stop":
+                self._stopped.set()
+
+        threading.Thread(target=answer, name="gradtrack-answer", daemon=True).start()
+        if kind == "stop":
+            self._stopped.wait()
+
+    def _orphaned(self) -> None:
+        """The training process died without closing: deliver everything it handed over,
+        then end the run as killed (as ``gradtrack sync`` would)."""
+        control = Control("stop", "KILLED")
+        self.mailbox.put_control(control)
+        self.worker.outbox.wait(control.done, self._patience_s)
+
+    def _tell(self) -> None:
+        while not self._stopped.wait(_STATE_EVERY_S):
+            self._send_state()
+
+    def _send_state(self) -> None:
+        outbox = self.worker.outbox
+        try:
+            state = outbox.state()
+        except Exception:  # the spool was closed: the stop is done, its last state told
+            return
+        told = _Report(state, tuple(outbox.targets()), self.drops.total - self._elsewhere)
+        if told != self._told:
+            self._told = told
+            self._up(("state", told))
