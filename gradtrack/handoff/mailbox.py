@@ -174,7 +174,7 @@ class Mailbox:
             if self.when_full == "block":
                 self._changed.wait_for(lambda: self._closed or not self._full(size))
             if self._closed:  # the worker is gone: nothing would ever take it
-                self._drop("gradtrack's worker thread has stopped")
+                self._drop("gradtrack's worker has stopped")
                 return
             while self._steps and self._full(size):
                 oldest = next(i for i, x in enumerate(self._items) if not isinstance(x, Control))
@@ -223,13 +223,14 @@ class Mailbox:
             self._changed.notify_all()
 
     def take(self, max_steps: int, gather_s: float = 0.0) -> list[QueuedItem]:
-        """Wait for work; return up to ``max_steps`` steps, stopping after a control message.
+        """Wait for work; return up to ``max_steps`` steps, stopping after a control message
+        (none once the mailbox is closed).
 
         Once a step is waiting, wait up to ``gather_s`` more for others to join it (unless a
         control message or a full batch arrives): fewer, larger hand-offs.
         """
         with self._changed:
-            self._changed.wait_for(lambda: bool(self._items))
+            self._changed.wait_for(lambda: bool(self._items) or self._closed)
             if gather_s > 0:
                 self._changed.wait_for(lambda: self._ready(max_steps), timeout=gather_s)
             taken: list[QueuedItem] = []

@@ -73,6 +73,7 @@ from gradtrack.worker.assemble import AssemblerPlan
 _PATH_VARIABLE = "GRADTRACK_WORKER_SYS_PATH"  # the training process's sys.path, for the child
 _STATE_EVERY_S = 0.2  # how often the child says how delivery stands, while it changes
 _EXIT_WAIT_S = 10.0  # a child that closed its sinks exits within this
+_GONE = "gradtrack's worker process has stopped"
 
 
 def runs_apart(sinks: Sequence[GradientSink], config: GradtrackConfig) -> bool:
@@ -126,6 +127,8 @@ class WorkerProcess:
         self._state = DeliveryState(0, "", True, (0,) * n, (0,) * n, None)
         self._targets: tuple[dict[str, Any] | None, ...] = (None,) * n
         self._child_dropped = 0
+        self._sent = 0  # steps sent to the child
+        self._handed = 0  # of which the child's worker handed to delivery
         self._replies: dict[int, Reply] = {}
         self._controls: dict[int, threading.Event] = {}
         self._ids = itertools.count()
@@ -225,13 +228,19 @@ class WorkerProcess:
     # -- the feed thread: steps and controls to the child ----------------------------------
     def _feed(self, setup: _Setup) -> None:
         yield_cpu_to_training()
+        sending = 0  # steps in the message being sent
         try:
             self._to_child.send(setup)
             while True:
                 items = self._mailbox.take(self._max_batch_steps)
+                if self._mailbox.closed:
+                    return
                 steps = [self._outgoing(item) for item in items if not isinstance(item, Control)]
                 if steps:
+                    sending = sum(isinstance(item, PendingStep) for _, item in steps)
                     self._to_child.send_bytes(_dumps(("steps", steps, self._mailbox.dropped)))
+                    self._sent += sending
+                    sending = 0
                 if items and isinstance(items[-1], Control):
                     control = items[-1]
                     key = next(self._ids)
@@ -240,8 +249,9 @@ class WorkerProcess:
                     self._to_child.send(("control", control.kind, control.outcome, key))
                     if control.kind == "stop":
                         return
-        except (OSError, EOFError, ValueError):
-            pass  # the child is gone: the listen thread tells it
+        except (OSError, EOFError, ValueError):  # the child is gone: the listen thread tells it
+            if sending:
+                self._drops.add(sending, _GONE)
         except BaseException as exc:  # a bug must be told, not die silently with the data
             report(f"gradtrack could not hand steps to its worker process: {exc!r}")
             self._process.terminate()
@@ -296,6 +306,8 @@ class WorkerProcess:
                 done = self._controls.pop(message[1], None)
             if done is not None:
                 done.set()
+        elif kind == "handed":
+            self._handed = message[1]
         elif kind == "log":
             logger.log(message[1], "%s", message[2])
 
@@ -317,7 +329,11 @@ class WorkerProcess:
                 f"gradtrack's worker process stopped (exit code {code}); steps are no longer "
                 f"delivered; {self.sync_hint()}"
             )
+        # Steps it took and had not handed to its spool yet, and those still waiting here.
+        lost = self._sent - self._handed + len(self._mailbox)
         self._mailbox.close()
+        if lost:
+            self._drops.add(lost, _GONE)
         with self._lock:
             replies, self._replies = list(self._replies.values()), {}
             controls, self._controls = list(self._controls.values()), {}
@@ -446,7 +462,15 @@ class _Child:
         sinks = [from_recipe(recipe) for recipe in setup.recipes]
         options = config.delivery
         self.mailbox = Mailbox(options.queue_size, "block", None, options.queue_mib << 20)
-        self.worker = Worker(assembler, sinks, self.mailbox, config, self._event, self.drops)
+        self.worker = Worker(
+            assembler,
+            sinks,
+            self.mailbox,
+            config,
+            self._event,
+            self.drops,
+            on_handed=lambda handed: up(("handed", handed)),
+        )
         self._patience_s = config.flush_timeout_s
         self._stopped = threading.Event()
         self._told: _Report | None = None

@@ -22,7 +22,14 @@ from gradtrack.delivery.courier import Outbox, yield_cpu_to_training
 from gradtrack.errors import GradientWarning
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
-from gradtrack.handoff.mailbox import Control, DropCount, Mailbox, QueuedStep, UpdateFollowUp
+from gradtrack.handoff.mailbox import (
+    Control,
+    DropCount,
+    Mailbox,
+    PendingStep,
+    QueuedStep,
+    UpdateFollowUp,
+)
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import logger, report, warn
 from gradtrack.sinks.base import GradientSink
@@ -41,9 +48,12 @@ class Worker:
         config: GradtrackConfig,
         act: Callable[[AlertEvent], None],
         drops: DropCount | None = None,
+        on_handed: Callable[[int], None] | None = None,
     ) -> None:
         """``act``: what each alert event asks (`AlertActions.act` in the training process;
-        sent back to it from a worker process, `gradtrack.worker.process`)."""
+        sent back to it from a worker process, `gradtrack.worker.process`). ``on_handed``:
+        told `handed` after each batch handed to delivery (the worker process tells the
+        training process, which counts what a dying worker process took with it)."""
         self.drops = drops = drops or DropCount(report)
         self.outbox = Outbox(sinks, config, drops, queued=mailbox.__len__)
         self.record_errors = 0
@@ -52,6 +62,8 @@ class Worker:
         self._max_batch_steps = config.delivery.max_batch_steps
         self._gather_s = config.delivery.batch_wait_s
         self._act = act
+        self._on_handed = on_handed
+        self.handed = 0  # steps whose records and alerts delivery has (in the spool, if any)
         self._awaiting: AssembledStep | None = None  # a judged step, until its update follows
         self._thread = threading.Thread(target=self._run, name="gradtrack-worker", daemon=True)
         self._thread.start()
@@ -103,18 +115,28 @@ class Worker:
         while True:
             records: list[StepRecord] = []
             events: list[AlertEvent] = []
+            steps = 0
             for item in self._mailbox.take(self._max_batch_steps, self._gather_s):
                 if not isinstance(item, Control):
                     self._process(item, records, events)
+                    steps += isinstance(item, PendingStep)
                     continue
                 self._release_awaiting(records)
-                self.outbox.hand_over(records, events)
-                records, events = [], []
+                self._hand_over(records, events, steps)
+                records, events, steps = [], [], 0
                 closing = item.outcome if item.kind == "stop" else None
                 self.outbox.finish(item.done, closing)
                 if item.kind == "stop":
                     return
-            self.outbox.hand_over(records, events)
+            self._hand_over(records, events, steps)
+
+    def _hand_over(self, records: list[StepRecord], events: list[AlertEvent], steps: int) -> None:
+        """A batch's records and alerts to delivery (the spool first, where there is one);
+        ``steps``: the steps they came from, counted in `handed`."""
+        self.outbox.hand_over(records, events)
+        self.handed += steps
+        if steps and self._on_handed is not None:
+            self._on_handed(self.handed)
 
     def _process(
         self, item: QueuedStep, records: list[StepRecord], events: list[AlertEvent]
