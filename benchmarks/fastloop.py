@@ -33,7 +33,9 @@ a setting (not in the default set): ``defaults_no_worker`` and ``every_step_no_w
 ``defaults`` and ``every_step`` with the worker dropping each step as it takes it (a step
 that waits for a verdict is answered): what the training process pays once the worker's
 Python (assembly, rules, sinks) no longer runs in it — the bound a worker in a child process
-could reach, before the cost of handing it each step.
+could reach, before the cost of handing it each step. ``defaults_mlflow_thread`` and
+``every_step_mlflow_thread`` are the MLflow variants with ``delivery.process=False``: the
+worker a thread of the training process, as before the worker process (#39).
 """
 
 from __future__ import annotations
@@ -65,7 +67,12 @@ VARIANTS = (
     "every_step",
     "every_step_mlflow",
 )
-DESIGN_VARIANTS = ("defaults_no_worker", "every_step_no_worker")
+DESIGN_VARIANTS = (
+    "defaults_no_worker",
+    "every_step_no_worker",
+    "defaults_mlflow_thread",
+    "every_step_mlflow_thread",
+)
 CHUNK = 100
 WARMUP = 200
 
@@ -92,10 +99,10 @@ def _watch(variant: str, model: nn.Module, optimizer: Any, work: Path) -> Any:
         return gradtrack.watch(
             model, MemorySink(), optimizer=optimizer, log_every=10**9, histograms={"every": None}
         )
-    if variant in ("defaults", "every_step", *DESIGN_VARIANTS):
+    if variant in ("defaults", "every_step", "defaults_no_worker", "every_step_no_worker"):
         every = 1 if variant.startswith("every_step") else 10
         watcher = gradtrack.watch(model, MemorySink(), optimizer=optimizer, log_every=every)
-        if variant in DESIGN_VARIANTS:
+        if variant.endswith("_no_worker"):
 
             def drop(item: Any, records: Any, events: Any) -> None:
                 reply = getattr(item, "reply", None)
@@ -104,10 +111,13 @@ def _watch(variant: str, model: nn.Module, optimizer: Any, work: Path) -> Any:
 
             watcher.worker._process = drop  # type: ignore[attr-defined]
         return watcher
-    if variant in ("defaults_mlflow", "every_step_mlflow"):
-        every = 1 if variant == "every_step_mlflow" else 10
+    if "_mlflow" in variant:
+        every = 1 if variant.startswith("every_step") else 10
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
-        return gradtrack.watch(model, "mlflow", optimizer=optimizer, log_every=every)
+        apart = not variant.endswith("_thread")  # the worker in a child process, or a thread
+        return gradtrack.watch(
+            model, "mlflow", optimizer=optimizer, log_every=every, delivery={"process": apart}
+        )
     if variant == "defaults_wandb":
         import wandb
 
@@ -124,7 +134,7 @@ def _watch(variant: str, model: nn.Module, optimizer: Any, work: Path) -> Any:
 
 def _stored_steps(variant: str, work: Path) -> int | None:
     """Steps MLflow's store holds for the run (the total norm's series), after close."""
-    if not variant.endswith("_mlflow"):
+    if "_mlflow" not in variant:
         return None
     import mlflow
 

@@ -7,7 +7,8 @@
 Summaries every step into the memory sink unless told otherwise. The training-thread figure
 is the wall time of gradtrack's step hook (launching reductions, the host copy, the
 hand-off); the worker figure is the CPU time its thread used (records, alert rules, the
-sink), from /proc (Linux). Both are per training step, and as a share of the step's time.
+sink) — or its process, where it runs in one — from /proc (Linux). Both are per training
+step, and as a share of the step's time.
 """
 
 from __future__ import annotations
@@ -25,8 +26,21 @@ import gradtrack
 from benchmarks.models import MODELS
 
 
-def _thread_cpu_s(native_id: int) -> float:
-    with open(f"/proc/self/task/{native_id}/stat") as f:
+def _worker_cpu_s(watcher: Any) -> float:
+    """CPU seconds the watch's worker used so far: its thread's, or its whole process's
+    (``delivery.process``: the worker process, with its couriers)."""
+    from gradtrack.worker.process import WorkerProcess
+
+    worker = watcher.worker
+    if isinstance(worker, WorkerProcess):
+        return _cpu_s(f"/proc/{worker.pid}/stat")
+    native_id = worker._thread.native_id
+    assert native_id is not None
+    return _cpu_s(f"/proc/self/task/{native_id}/stat")
+
+
+def _cpu_s(stat: str) -> float:
+    with open(stat) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -58,12 +72,10 @@ def measure(name: str, steps: int, backend: str, **options: Any) -> tuple[float,
 
     train(10)
     spent[0] = 0.0
-    worker = watcher.worker._thread.native_id
-    assert worker is not None
-    cpu, start = _thread_cpu_s(worker), time.perf_counter()
+    cpu, start = _worker_cpu_s(watcher), time.perf_counter()
     train(steps)
     elapsed = time.perf_counter() - start
-    worker_s = _thread_cpu_s(worker) - cpu
+    worker_s = _worker_cpu_s(watcher) - cpu
     watcher.close()
     return elapsed / steps * 1e3, spent[0] / steps * 1e3, worker_s / steps * 1e3
 

@@ -139,7 +139,7 @@ class Watcher:
                 self.worker = WorkerProcess(self.plan, sinks, self.mailbox, act, self.drops)
                 return
             except OSError as exc:
-                report(f"gradtrack could not start its worker process ({exc!r}); it runs as a thread")
+                report(f"gradtrack could not start its worker process ({exc!r}); it is a thread")
         assembler = self.plan.assembler(self.alert_engine, self.drops)
         self.worker = Worker(assembler, sinks, self.mailbox, config, act, self.drops)
 

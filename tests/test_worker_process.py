@@ -180,12 +180,14 @@ def test_a_training_process_killed_outright_leaves_its_worker_to_deliver_every_s
     code = textwrap.dedent(
         f"""
         import os, signal, time, torch, gradtrack
-        from tests.test_worker_process import mlp, train
-        model = mlp()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         watcher = gradtrack.watch(model, backend="mlflow", optimizer=optimizer, log_every=1,
                                   mlflow={{"tracking_uri": {uri!r}}})
-        train(model, optimizer, range(1500))
+        for _ in range(1500):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            optimizer.step()
         while len(watcher.mailbox):  # every step handed to the worker process
             time.sleep(0.01)
         time.sleep(0.5)

@@ -76,6 +76,11 @@ class Worker:
     def sink_errors(self) -> list[int]:
         return self.outbox.sink_errors
 
+    @property
+    def delivery_failures(self) -> list[int]:
+        """Per sink, sends that failed and were retried."""
+        return [courier.failures for courier in self.outbox.couriers]
+
     def sync_hint(self) -> str:
         """Where undelivered items wait, and the command that delivers them."""
         return self.outbox.sync_hint()

@@ -101,7 +101,7 @@ def test_a_latched_nan_far_from_a_logged_step_keeps_a_bounded_host_copy(log_ever
     with gradtrack.watch(model, backend=sink, optimizer=optimizer, **options) as w:
         w.guard_reads_host = False
         w.collector.foreach_only = True
-        flight = w.assembler.flight
+        flight = w.worker.assembler.flight  # (a memory sink: the worker is a thread)
         assert flight is not None and flight.capacity <= 2 * 64 + 1  # not log_every's steps
         train(model, optimizer, 250, nan_at=197)
     (window,) = [w for w in windows(sink) if w.incident == "nonfinite"]

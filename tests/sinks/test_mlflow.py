@@ -233,7 +233,7 @@ def test_server_down_at_start_then_killed_and_restarted_loses_nothing(
         steps(10)
         watcher.close()
         sink = watcher.sinks[0]
-        assert watcher.worker.outbox.couriers[0].failures >= 2 and watcher.dropped_steps == 0
+        assert watcher.worker.delivery_failures[0] >= 2 and watcher.dropped_steps == 0
         expected = memory.scalars()
         got = histories(server.uri, sink.run_id, list(expected))
         for key, series in expected.items():
