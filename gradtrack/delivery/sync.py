@@ -50,9 +50,9 @@ def resume_sink(target: dict[str, Any], outcome: str, timeout_s: float) -> Track
     """The sink that reaches the run a spool's items were meant for."""
     backend = target.get("backend")
     if backend == "mlflow":
-        from gradtrack.sinks.mlflow import MlflowSink
+        from gradtrack.sinks.mlflow import from_spool_target
 
-        return MlflowSink.from_spool_target(target, outcome, flush_timeout_s=timeout_s)
+        return from_spool_target(target, outcome, flush_timeout_s=timeout_s)
     raise GradtrackError(f"gradtrack sync cannot deliver to backend {backend!r}; it knows: mlflow")
 
 

@@ -98,7 +98,9 @@ def from_recipe(recipe: dict[str, Any]) -> GradientSink:
     """The sink a `SinkBase.recipe` describes, made again in a worker process."""
     backend = recipe.get("backend")
     if backend == "mlflow":
-        return __getattr__("MlflowSink").in_worker_process(recipe)
+        from gradtrack.sinks.mlflow import in_worker_process
+
+        return in_worker_process(recipe)
     raise GradtrackError(f"a worker process cannot make a {backend!r} sink; it knows: mlflow")
 
 

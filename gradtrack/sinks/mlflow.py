@@ -196,43 +196,9 @@ class MlflowSink(TrackerSink):
             "owns_run": self.owns_run,
         }
 
-    @classmethod
-    def in_worker_process(cls, recipe: dict[str, Any]) -> MlflowSink:
-        """The copy of a training process's sink that a worker process delivers with: the
-        same run (started there when it was shared with the user's thread, else here at the
-        first send), never MLflow's active run here."""
-        config: GradtrackConfig = recipe["config"]
-        options = config.mlflow.model_copy(update={"share_run": False})
-        sink = cls(config.model_copy(update={"mlflow": options}), run_id=recipe["run_id"])
-        sink._run.tracking_uri = recipe["tracking_uri"] or sink._run.tracking_uri
-        sink._run.owns_run = bool(recipe["owns_run"]) or recipe["run_id"] is None
-        return sink
-
     def adopt(self, target: dict[str, Any]) -> None:
         """Follow the worker process's copy: the run it started, and whether it ended it."""
-        self._run.run_id = target.get("run_id") or self._run.run_id
-        self._run.owns_run = bool(target.get("owns_run"))
-        self._run.ended = bool(target.get("ended"))
-
-    @classmethod
-    def from_spool_target(
-        cls, target: dict[str, Any], outcome: str = "FINISHED", flush_timeout_s: float = 300.0
-    ) -> MlflowSink:
-        """The sink `gradtrack sync` delivers a spool's items with: the same run (or, if
-        it was never created, a new one)."""
-        options = {**target.get("options", {}), "tracking_uri": target.get("tracking_uri")}
-        options["share_run"] = False  # no user's thread to share a run with
-        if options["tracking_uri"] is None and target.get("cwd"):
-            os.chdir(target["cwd"])  # MLflow's default store is relative to the folder
-        config = GradtrackConfig(
-            mlflow=options, model_name=target.get("model_name"), flush_timeout_s=flush_timeout_s
-        )
-        sink = cls(config, run_id=target.get("run_id"))
-        sink._run.owns_run = bool(target.get("owns_run")) or target.get("run_id") is None
-        sink.outcome = outcome
-        # Alerts from before the resumption stay in their own file (readers take them all).
-        sink._alerts_path = sink._staging / f"alerts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-        return sink
+        self._run.adopt(target)
 
     # -- TrackerSink -----------------------------------------------------------------------
     def open(self) -> None:
@@ -388,3 +354,36 @@ class MlflowSink(TrackerSink):
             uploads.extend(drawn)
         else:
             self._sending = _Sending((), list(drawn))
+
+
+# -- the same sink, made again in another process ----------------------------------------------
+def in_worker_process(recipe: dict[str, Any]) -> MlflowSink:
+    """The copy of a training process's sink (its `MlflowSink.recipe`) that a worker process
+    delivers with: the same run (started there when it was shared with the user's thread,
+    else here at the first send), never MLflow's active run here."""
+    config: GradtrackConfig = recipe["config"]
+    options = config.mlflow.model_copy(update={"share_run": False})
+    sink = MlflowSink(config.model_copy(update={"mlflow": options}), run_id=recipe["run_id"])
+    sink._run.tracking_uri = recipe["tracking_uri"] or sink._run.tracking_uri
+    sink._run.owns_run = bool(recipe["owns_run"]) or recipe["run_id"] is None
+    return sink
+
+
+def from_spool_target(
+    target: dict[str, Any], outcome: str = "FINISHED", flush_timeout_s: float = 300.0
+) -> MlflowSink:
+    """The sink `gradtrack sync` delivers a spool's items with: the same run (or, if it was
+    never created, a new one)."""
+    options = {**target.get("options", {}), "tracking_uri": target.get("tracking_uri")}
+    options["share_run"] = False  # no user's thread to share a run with
+    if options["tracking_uri"] is None and target.get("cwd"):
+        os.chdir(target["cwd"])  # MLflow's default store is relative to the folder
+    config = GradtrackConfig(
+        mlflow=options, model_name=target.get("model_name"), flush_timeout_s=flush_timeout_s
+    )
+    sink = MlflowSink(config, run_id=target.get("run_id"))
+    sink._run.owns_run = bool(target.get("owns_run")) or target.get("run_id") is None
+    sink.outcome = outcome
+    # Alerts from before the resumption stay in their own file (readers take them all).
+    sink._alerts_path = sink._staging / f"alerts-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    return sink

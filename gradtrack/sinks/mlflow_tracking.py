@@ -443,6 +443,13 @@ class MlflowRun:
         known = f" (id {self._experiment_id})" if self._experiment_id else ""
         return f"experiment {self.options.experiment!r}{known}"
 
+    def adopt(self, target: dict[str, Any]) -> None:
+        """Follow a copy in another process (a worker process's `MlflowSink.spool_target`):
+        the run it started, whether it is gradtrack's, and whether it ended it."""
+        self.run_id = target.get("run_id") or self.run_id
+        self.owns_run = bool(target.get("owns_run"))
+        self.ended = bool(target.get("ended"))
+
     def end(self, outcome: str) -> None:
         """End the run gradtrack started (a run of the user's is theirs to end)."""
         if not (self.owns_run and self.run_id is not None):

@@ -433,6 +433,7 @@ def main(argv: Sequence[str]) -> None:
     """The worker process: ``argv`` holds the two pipes' file descriptors (from, to the
     training process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+    yield_cpu_to_training()  # (before any thread starts: each inherits it)
     torch.set_num_threads(1)  # the cores are training's
     inbox = Connection(int(argv[0]), writable=False)
     up = _Up(Connection(int(argv[1]), readable=False))
