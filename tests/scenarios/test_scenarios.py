@@ -190,8 +190,9 @@ def test_a_collapsing_cnn_is_told_the_learning_rate_within_30_steps(lr: float, s
         SmallCNN(), m.prototype_batch(), m.cross_entropy, steps, lr=lr, optimizer="momentum"
     )
     collapse = collapse_step(run.losses)
-    # Near chance for good (2.3; it learnt to below 0.5): how near moves with the CPU.
-    assert 20 < collapse < steps - 50 and min(run.losses[collapse + 5 :]) > 1.0
+    # It ends near chance (2.3; it learnt to below 0.5). On the way there a CPU's kernels may
+    # let the loss dip back for a step (to 0.78 at step 69 on an AMD EPYC, dead from step 80).
+    assert 20 < collapse < steps - 50 and min(run.losses[-50:]) > 1.0
     event = one(run.events("learning_rate"))
     assert event.severity == "warning" and collapse <= event.step <= collapse + 30
     assert "went dead" in event.message and "the learning rate is too high" in event.message
