@@ -93,6 +93,35 @@ def test_a_tight_loop_into_mlflow_runs_its_worker_apart_and_stores_every_step(
     assert watcher.dropped_steps == 0 and watcher.sink_errors == {"0:MlflowSink": 0}
 
 
+@pytest.mark.slow
+def test_past_the_queue_bound_a_worker_process_behind_the_loop_drops_counted_never_silently(
+    tmp_path: Path,
+) -> None:
+    """``delivery.queue_size=20`` at log_every=1: while the worker process starts (MLflow's
+    import, the store's creation) a tight loop outruns it by hundreds of steps, the queue in
+    this process, the pipe and the child's own queue all fill, and the oldest steps are
+    dropped. Every step is stored once or counted as dropped, none lost silently."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    watcher = gradtrack.watch(
+        model,
+        backend="mlflow",
+        optimizer=optimizer,
+        log_every=1,
+        delivery={"queue_size": 20},
+        mlflow={"tracking_uri": uri},
+    )
+    assert isinstance(watcher.worker, WorkerProcess)
+    train(model, optimizer, range(2000))
+    watcher.close()
+    stored = stored_steps(uri, watcher.sinks[0].run_id)
+    assert len(set(stored)) == len(stored) and set(stored) <= set(range(2000))
+    assert watcher.dropped_steps > 0
+    assert len(stored) + watcher.dropped_steps == 2000
+    assert stored[-1] == 1999  # the newest kept
+
+
 def test_a_raise_rule_is_answered_by_the_worker_process_before_the_update(
     tmp_path: Path,
 ) -> None:
@@ -223,5 +252,5 @@ def test_the_worker_process_imports_gradtrack_from_where_this_process_did(
     with gradtrack.watch(model, backend="mlflow", optimizer=optimizer) as watcher:
         assert isinstance(watcher.worker, WorkerProcess)
         train(model, optimizer, range(20))
-        assert watcher.flush(timeout_s=60)
-    assert stored_steps("sqlite:///mlflow.db", watcher.sinks[0].run_id) == [0, 10]
+        assert watcher.flush(timeout_s=60)  # delivered by its end, the run still open
+        assert stored_steps("sqlite:///mlflow.db", watcher.sinks[0].run_id) == [0, 10]

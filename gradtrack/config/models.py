@@ -285,8 +285,8 @@ class DeliveryOptions(BaseModel):
         True,
         description="Run the worker (records, rules, histograms, the spool, the trackers' "
         "clients) in a child process, where its Python cannot take the GIL your training "
-        "thread needs: where every sink can be made there (MLflow with the spool on disk), "
-        "else it is a thread of the training process. False: always a thread.",
+        "thread needs, where every sink can be made there (MLflow); else it is a thread of "
+        "the training process. False: always a thread.",
     )
 
 
