@@ -377,10 +377,13 @@ def _tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
         return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
 
 
+_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor}
+
+
 def _dumps(message: object) -> bytes:
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _tensor}
+    pickler.dispatch_table = _DISPATCH
     pickler.dump(message)
     return buffer.getvalue()
 
