@@ -170,7 +170,8 @@ class WorkerProcess:
     ) -> bool:
         """As `Worker.request`: the child flushes (or flushes and closes) its sinks; False if
         delivery made no progress for ``timeout_s``. A stop that gave up (or was interrupted)
-        ends the child, leaving its spool to ``gradtrack sync``."""
+        ends the child, leaving its spool to ``gradtrack sync``; an interrupted flush leaves it
+        delivering."""
         if self._gone.is_set():
             return True  # (its end was reported when it came)
         if kind == "stop":
@@ -193,7 +194,8 @@ class WorkerProcess:
         except KeyboardInterrupt:
             if self._state.spool is not None:
                 report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
-            self._end_child(done=False)
+            if kind == "stop":
+                self._end_child(done=False)
             raise
         if kind == "stop":
             self._end_child(done)
