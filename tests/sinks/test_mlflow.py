@@ -282,6 +282,11 @@ def test_close_waits_at_most_the_flush_timeout_for_an_unreachable_server(told: T
     )  # fmt: skip
     for _ in range(5):
         model(torch.randn(2, 4)).sum().backward()  # training never waits on the server
+    # The worker process's start (its imports, MLflow's) counts as progress, as a cold SDK
+    # import always did; the bound runs from the first failed send.
+    deadline = time.monotonic() + 60
+    while told.count("cannot reach MLflow") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     start = time.monotonic()
     watcher.close()
     waited_s = time.monotonic() - start
