@@ -150,7 +150,7 @@ class Outbox:
     def describe_left(self) -> str:
         """What delivery still waits for, by kind and count (the progress line's words)."""
         waiting = self._queued()
-        parts = [f"{waiting:,} step(s) not yet summarised"] if waiting else []
+        parts = [f"{waiting:,} step(s) of gradients to summarise"] if waiting else []
         named = len(self.couriers) > 1
         for courier in self.couriers:
             told = courier.describe_left()

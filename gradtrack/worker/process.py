@@ -97,11 +97,13 @@ class _Setup:
 @dataclass
 class _Report:
     """How delivery stands in the child: its `DeliveryState`, each tracker sink's target
-    (`TrackerSink.spool_target`, for `SinkBase.adopt`), and the steps the child itself lost."""
+    (`TrackerSink.spool_target`, for `SinkBase.adopt`), the steps the child itself lost, and
+    the steps it took off the pipe (those sent and not yet taken are still to deliver)."""
 
     state: DeliveryState
     targets: tuple[dict[str, Any] | None, ...]
     dropped: int
+    received: int
 
 
 # -- the training process's side -------------------------------------------------------------
@@ -126,6 +128,7 @@ class WorkerProcess:
         self._state = DeliveryState(0, "", True, (0,) * n, (0,) * n, None)
         self._targets: tuple[dict[str, Any] | None, ...] = (None,) * n
         self._child_dropped = 0
+        self._received = 0  # steps the child took off the pipe, as it last said
         self._sent = 0  # steps sent to the child
         self._handed = 0  # of which the child's worker handed to delivery
         self._replies: dict[int, Reply] = {}
@@ -202,11 +205,16 @@ class WorkerProcess:
         return done
 
     def _left(self) -> int:
-        return len(self._mailbox) + self._state.left
+        return self._not_taken() + self._state.left
+
+    def _not_taken(self) -> int:
+        """Steps waiting here or in the pipe: the child has not counted them yet."""
+        return len(self._mailbox) + max(0, self._sent - self._received)
 
     def _waiting_for(self) -> str:
-        waiting = len(self._mailbox)
-        told = [f"{waiting:,} step(s) not yet handed to the worker process"] if waiting else []
+        waiting = self._not_taken()
+        told = [f"{waiting:,} step(s) of gradients to hand to the worker process"]
+        told = told if waiting else []
         return "; ".join(told + ([self._state.waiting_for] if self._state.waiting_for else []))
 
     def _end_child(self, done: bool) -> None:
@@ -313,7 +321,7 @@ class WorkerProcess:
             logger.log(message[1], "%s", message[2])
 
     def _follow(self, told: _Report) -> None:
-        self._state = told.state
+        self._state, self._received = told.state, told.received
         if told.dropped > self._child_dropped:
             self._drops.count(told.dropped - self._child_dropped)
             self._child_dropped = told.dropped
@@ -462,6 +470,7 @@ class _Child:
         self._up = up
         self.drops = DropCount(report)
         self._elsewhere = 0  # steps the training process's mailbox dropped, counted here too
+        self._received = 0  # steps taken off the pipe
         engine = setup.plan.engine()
         assembler = setup.plan.assembler(engine, self.drops)
         sinks = [from_recipe(recipe) for recipe in setup.recipes]
@@ -508,6 +517,7 @@ class _Child:
             if key is not None and isinstance(item, PendingStep):
                 item.reply = _ReplyUp(key, self._up)
             self.mailbox.put_step(item)
+            self._received += isinstance(item, PendingStep)
 
     def _control(self, kind: Literal["flush", "stop"], outcome: Outcome, key: int) -> None:
         control = Control(kind, outcome)
@@ -541,7 +551,8 @@ class _Child:
             state = outbox.state()
         except Exception:  # the spool was closed: the stop is done, its last state told
             return
-        told = _Report(state, tuple(outbox.targets()), self.drops.total - self._elsewhere)
+        dropped = self.drops.total - self._elsewhere
+        told = _Report(state, tuple(outbox.targets()), dropped, self._received)
         if told != self._told:
             self._told = told
             self._up(("state", told))
