@@ -1,8 +1,9 @@
 """Where a non-finite gradient was made: the module, by replaying a bad step's forward and
 backward; and whether the weights themselves have gone non-finite.
 
-Healthy steps pay two Python hooks on the root module (references, no device work); the
-replay runs only on a step the guard found non-finite, before the optimizer applies it.
+Healthy steps pay two Python calls from the probes' shared hooks on the root module
+(references, no device work); the replay runs only on a step the guard found non-finite,
+before the optimizer applies it.
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.hooks import RemovableHandle
 
 from gradtrack.capture.layers import ROOT_LAYER_NAME
+
+if TYPE_CHECKING:
+    from gradtrack.capture.probes import ForwardTaps
 
 ReplayStage = Literal["forward", "loss", "backward"]
 
@@ -77,18 +80,16 @@ class OriginProbe:
     """Keeps references to what the root module received and to the gradient that reached
     its output (the last forward of a step), so that a bad step can be replayed."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, taps: ForwardTaps) -> None:
         self.model = model
         self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._rng: Tensor | None = None
         self._output_grads: list[Tensor] = []
         self._output_too_large = False
-        self.handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-            model.register_forward_hook(self._after_forward),
-        ]
+        taps.before.append(self._before_forward)
+        taps.after.append(self._after_forward)
 
-    def _before_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _before_forward(self, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():
             return
         self._inputs = (args, kwargs)
@@ -96,7 +97,7 @@ class OriginProbe:
         self._output_grads = []
         self._output_too_large = False
 
-    def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+    def _after_forward(self, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         leaves = [leaf for leaf in float_tensors(output) if leaf.requires_grad]
@@ -143,8 +144,7 @@ class OriginProbe:
                     buffer.copy_(saved)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        """(Its hooks are the `ForwardTaps` owner's to remove.)"""
         self.forget()
 
 

@@ -110,6 +110,14 @@ class Probes:
         self._micro_squares: torch.Tensor | None = None
         self._warned_no_activations = False
         self._is_due: Callable[[], bool] | None = None  # (`attach_evidence`'s)
+        self._taps: dict[int, ForwardTaps] = {}
+
+    def taps(self, module: nn.Module) -> ForwardTaps:
+        """The one pair of forward hooks the probes share on ``module``."""
+        taps = self._taps.get(id(module))
+        if taps is None:
+            taps = self._taps[id(module)] = ForwardTaps(module, self.handles)
+        return taps
 
     def attach_step_source(
         self,
@@ -163,12 +171,12 @@ class Probes:
         self.order = BackwardOrderProbe(params, layer_of)
         records_here = ranks is None or ranks.rank == 0
         if records_here or collector.mesh is not None:
-            self.output = OutputProbe(model, is_due)
-            self.handles.append(self.output.handle)
+            self.output = OutputProbe(self.taps(model), is_due)
         # A replay of ZeRO-3's forward would gather parameters on this rank alone.
         zero3 = collector.partitions is not None and collector.partitions.stage3
         if records_here and not zero3:
-            self.origin = OriginProbe(unwrap_model(model))
+            inner = unwrap_model(model)
+            self.origin = OriginProbe(inner, self.taps(inner))
         if records_here:
             if output_modules:
                 self.activations = ActivationProbe(output_modules, is_due)
@@ -193,8 +201,7 @@ class Probes:
         if ranks is not None and (not replicated(ranks) or ranks.rank != 0):
             return  # (sharded gradients: no local gradient to compare; rank 0 records)
         if options.batch_size is None:
-            self.batches = BatchCounter(model)
-            self.handles.append(self.batches.handle)
+            self.batches = BatchCounter(self.taps(model))
         if ranks is None and self.accumulation is None:
             self.micro = MicroBatchNorms(collector.params, self._is_due)
             self.handles.extend(self.micro.handles)
@@ -251,6 +258,7 @@ class Probes:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._taps.clear()
         if self.micro is not None:
             self.micro.remove()
         if self.order is not None:
@@ -269,6 +277,27 @@ class Probes:
 # A model compiled *before* watching keeps its output probe (it sits on the eager wrapper).
 
 
+class ForwardTaps:
+    """One forward pre-hook and one forward hook on a module, each calling the probes' own
+    (``before(args, kwargs)``, ``after(output)``) in the order they were added: a hook torch
+    calls costs a training step a few µs, several probes on the root module one call each.
+    Its handles go to the owner's list, removed with the rest."""
+
+    def __init__(self, module: nn.Module, handles: list[RemovableHandle]) -> None:
+        self.before: list[Callable[[tuple[Any, ...], dict[str, Any]], None]] = []
+        self.after: list[Callable[[Any], None]] = []
+        handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
+        handles.append(module.register_forward_hook(self._after))
+
+    def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for before in self.before:
+            before(args, kwargs)
+
+    def _after(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        for after in self.after:
+            after(output)
+
+
 def _and(previous: Tensor | None, current: Tensor) -> Tensor:
     return current if previous is None else torch.logical_and(previous, current)
 
@@ -282,14 +311,14 @@ class OutputProbe:
     output tensor and one norm per output gradient, on logged steps only.
     """
 
-    def __init__(self, model: nn.Module, is_due: Callable[[], bool]) -> None:
+    def __init__(self, taps: ForwardTaps, is_due: Callable[[], bool]) -> None:
         self._is_due = is_due
         self.output_finite: Tensor | None = None
         self.output_grad_finite: Tensor | None = None
         self.output_grad_norm: Tensor | None = None
-        self.handle = model.register_forward_hook(self._after_forward)
+        taps.after.append(self._after_forward)
 
-    def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+    def _after_forward(self, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._is_due():
             return  # inside a compiled graph: see "Compiled regions" above
         for leaf in float_tensors(output):
@@ -425,11 +454,11 @@ class BatchCounter:
     """Examples per step: the first dimension of the model's first tensor input, summed over
     the step's forward passes (host shapes only: no device work)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, taps: ForwardTaps) -> None:
         self.examples = 0
-        self.handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+        taps.before.append(self._count)
 
-    def _count(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _count(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for value in (*args, *kwargs.values()):
             if isinstance(value, Tensor):
                 self.examples += value.shape[0] if value.dim() else 1
