@@ -123,7 +123,6 @@ class NormWindow:
                 # (x, x², 1) per step in the window; 0 where a column took nothing
                 "rows": np.zeros((self.window, 3, c)),
                 "sums": np.zeros((3, c)),
-                "waiting": np.zeros((self.refresh, c)),  # the norms judged since (on a device)
                 "z": self._z,
                 "log_ratio": self._log_ratio,
                 "enabled": self._enabled,
@@ -135,14 +134,13 @@ class NormWindow:
                 "limit_norm": np.full(c, np.inf),  # 10 ** limit: a quiet step's test
                 "clip": np.zeros(c),
             }
-            # made on the device once: a copy from the host at every step could wait
-            self._state = (
-                state
-                if host
-                else {
+            if host:  # (the norms judged since a refresh wait in `_host_waiting`)
+                self._state = state
+            else:  # made on the device once: a copy from the host at every step could wait
+                state["waiting"] = np.zeros((self.refresh, c))  # the norms judged since
+                self._state = {
                     key: torch.as_tensor(value, device=norms.device) for key, value in state.items()
                 }
-            )
             self._position = self._waiting = 0
             self._host_waiting = []
             self._limits = None
