@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -19,9 +19,6 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from gradtrack.capture.layers import ROOT_LAYER_NAME
-
-if TYPE_CHECKING:
-    from gradtrack.capture.probes import ForwardTaps
 
 ReplayStage = Literal["forward", "loss", "backward"]
 
@@ -78,18 +75,18 @@ MAX_KEPT_OUTPUT_GRAD_BYTES = 64 << 20
 
 class OriginProbe:
     """Keeps references to what the root module received and to the gradient that reached
-    its output (the last forward of a step), so that a bad step can be replayed."""
+    its output (the last forward of a step), so that a bad step can be replayed. Its
+    ``before_forward`` and ``after_forward`` are called by the root module's shared hooks
+    (`gradtrack.capture.probes.ForwardTaps`)."""
 
-    def __init__(self, model: nn.Module, taps: ForwardTaps) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._rng: Tensor | None = None
         self._output_grads: list[Tensor] = []
         self._output_too_large = False
-        taps.before.append(self._before_forward)
-        taps.after.append(self._after_forward)
 
-    def _before_forward(self, args: Any, kwargs: Any) -> None:
+    def before_forward(self, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():
             return
         self._inputs = (args, kwargs)
@@ -97,7 +94,7 @@ class OriginProbe:
         self._output_grads = []
         self._output_too_large = False
 
-    def _after_forward(self, output: Any) -> None:
+    def after_forward(self, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         leaves = [leaf for leaf in float_tensors(output) if leaf.requires_grad]
@@ -144,7 +141,7 @@ class OriginProbe:
                     buffer.copy_(saved)
 
     def remove(self) -> None:
-        """(Its hooks are the `ForwardTaps` owner's to remove.)"""
+        """(The hooks that call it are the `ForwardTaps` owner's to remove.)"""
         self.forget()
 
 

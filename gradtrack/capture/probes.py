@@ -176,7 +176,10 @@ class Probes:
         zero3 = collector.partitions is not None and collector.partitions.stage3
         if records_here and not zero3:
             inner = unwrap_model(model)
-            self.origin = OriginProbe(inner, self.taps(inner))
+            self.origin = OriginProbe(inner)
+            taps = self.taps(inner)
+            taps.before.append(self.origin.before_forward)
+            taps.after.append(self.origin.after_forward)
         if records_here:
             if output_modules:
                 self.activations = ActivationProbe(output_modules, is_due)
