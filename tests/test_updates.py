@@ -263,3 +263,34 @@ def test_layers_of_two_dtypes_get_their_own_updates_in_their_own_order(signals: 
         assert record.layers == ("0", "2", "4")
         # every tensor here is small enough to be taken whole: the sample is exact too
         np.testing.assert_allclose(record.update_ratios(), expected[record.step], rtol=1e-5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("signals", [True, "sampled"], ids=["exact", "sampled"])
+def test_many_small_layers_get_their_updates_from_one_packed_pass(signals: Any) -> None:
+    """80 tensors of 4-16 elements (the CPU's per-tensor kernels cost more than their
+    elements): the weights' and the updates' norms are summed packed, in fp64, and each
+    layer's ratio is the update AdamW applied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sink = MemorySink()
+    expected: dict[int, dict[str, float]] = {}
+    with gradtrack.watch(
+        model, backend=sink, optimizer=optimizer, update_signals=signals
+    ) as watcher:
+        probe = watcher.judge.signals.updates
+        assert probe is not None and probe._packing[0] is not None  # (the packed pass)
+        for step in range(21):
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            before = layer_norms(model)
+            optimizer.step()
+            after = layer_norms(model)
+            expected[step] = {
+                name: norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
+                for name in before
+            }
+    assert [r.step for r in sink.records] == [0, 10, 20]
+    for record in sink.records:
+        want = np.array([expected[record.step][name] for name in record.layers])
+        np.testing.assert_allclose(record.update_ratios(), want, rtol=1e-4)

@@ -22,13 +22,12 @@ from gradtrack.capture.distributed import RankGroup, is_dtensor, local_tensor
 from gradtrack.capture.layers import Layer
 from gradtrack.capture.mesh import MeshReduction, ShardStep, check_placements
 from gradtrack.capture.stats import (
-    PACK_BELOW_ELEMENTS,
-    PACK_MIN_TENSORS,
     abs_norms,
     copy_to_host,
     fill_nonfinite_counts,
     l2_norms,
     nonfinite_counts,
+    pack_offsets,
     sample_bounds,
     sample_elements,
     stat_rows,
@@ -127,9 +126,10 @@ class Layouts:
             indices.append(i)
             simples.append(simple)
         by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
-        for (device, dtype), (indices, simples) in groups.items():
-            offsets = _packing([grads[i] for i in indices], device, dtype, all(simples))
-            by_device[device].append(GroupPlan(indices, all(simples), offsets))
+        for (device, _), (indices, simples) in groups.items():
+            simple = all(simples)  # (packed: gradients used as they are)
+            offsets = pack_offsets([grads[i] for i in indices]) if simple else None
+            by_device[device].append(GroupPlan(indices, simple, offsets))
         return [DevicePlan.of(device, device_groups) for device, device_groups in by_device.items()]
 
 
@@ -378,20 +378,6 @@ class Collector:
         if key not in self._placeholders:
             self._placeholders[key] = torch.zeros(1, device=grad.device, dtype=grad.dtype)
         return self._placeholders[key]
-
-
-def _packing(
-    grads: list[Tensor], device: torch.device, dtype: torch.dtype, simple: bool
-) -> np.ndarray | None:
-    """A group's packing offsets, where its tensors are many small fp32 ones on the CPU (each
-    tensor's norm kernel then costs more than its elements: 600 tensors of 8-64 elements take
-    ~0.9 ms one by one, ~0.3 ms packed); None otherwise."""
-    if device.type != "cpu" or not simple or dtype != torch.float32:
-        return None
-    numels = [g.numel() for g in grads]
-    if len(numels) < PACK_MIN_TENSORS or max(numels) >= PACK_BELOW_ELEMENTS or min(numels) == 0:
-        return None
-    return np.concatenate([[0], np.cumsum(numels[:-1])]).astype(np.int64)
 
 
 def _combined_pieces(

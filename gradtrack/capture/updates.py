@@ -32,7 +32,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gradtrack.capture.stats import DeviceIndex, accumulation_dtype, copy_to_host
+from gradtrack.capture.stats import (
+    DeviceIndex,
+    accumulation_dtype,
+    copy_to_host,
+    pack_offsets,
+    packed_squares,
+)
 
 OnError = Callable[[int, Exception], None]
 
@@ -45,6 +51,8 @@ class UpdateProbe:
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
         self._params = list(params)
         self._groups, self._inverse = device_groups(self._params)
+        # (a snapshot is laid out as its weights: the same packing serves both)
+        self._packing = [pack_offsets([self._params[i] for i in g]) for g in self._groups]
         self._index = DeviceIndex()
         self._snapshots: list[list[Tensor]] | None = None
         self._param_norms: list[Tensor] = []
@@ -59,18 +67,18 @@ class UpdateProbe:
             if self._snapshots is None:
                 self._snapshots = [[torch.empty_like(w) for w in ws] for ws in weights]
             self._param_norms = []
-            for snapshot, ws in zip(self._snapshots, weights):
+            for snapshot, ws, packed in zip(self._snapshots, weights, self._packing):
                 torch._foreach_copy_(snapshot, ws)
-                self._param_norms.append(weight_norms(ws))
+                self._param_norms.append(weight_norms(ws, packed))
 
     def after(self) -> tuple[Tensor, torch.cuda.Event | None]:
         """The step's rows, in the order of ``params``, and the event its host copy sets."""
         assert self._snapshots is not None, "after() without before()"
         with torch.no_grad():
             updates = []
-            for group, snapshot in zip(self._groups, self._snapshots):
+            for group, snapshot, packed in zip(self._groups, self._snapshots, self._packing):
                 torch._foreach_sub_(snapshot, [self._params[i] for i in group])
-                updates.append(weight_norms(snapshot))
+                updates.append(weight_norms(snapshot, packed))
             return update_rows(self._param_norms, updates, self._index, self._inverse)
 
 
@@ -84,8 +92,12 @@ def device_groups(params: Sequence[Tensor]) -> tuple[list[list[int]], np.ndarray
     return ordered, np.argsort(np.concatenate([np.asarray(g) for g in ordered]))
 
 
-def weight_norms(tensors: list[Tensor]) -> Tensor:
-    """L2 norms, in fp32 for fp16/bf16/fp32 weights (fp32 accumulation), fp64 for fp64."""
+def weight_norms(tensors: list[Tensor], packed: np.ndarray | None = None) -> Tensor:
+    """L2 norms, in fp32 for fp16/bf16/fp32 weights (fp32 accumulation), fp64 for fp64.
+    ``packed`` (`pack_offsets`: many small fp32 CPU tensors): summed in one packed pass,
+    in fp64, instead of a kernel per tensor."""
+    if packed is not None:
+        return torch.from_numpy(np.sqrt(packed_squares(tensors, packed)).astype(np.float32))
     accumulate = accumulation_dtype(tensors[0].dtype)
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=accumulate))
 
@@ -166,6 +178,7 @@ class SampledUpdateProbe:
             Lattice(p.numel(), sample, rng, whole=not p.is_contiguous()) for p in self._params
         ]
         self._groups, self._inverse = device_groups(self._params)
+        self._packing = [pack_offsets([self._params[i] for i in g]) for g in self._groups]
         self._index = DeviceIndex()
         self._param_norms: list[Tensor] = []
         # Each group's sample views, made at watch time (a view is metadata: no op per tensor
@@ -174,6 +187,7 @@ class SampledUpdateProbe:
         self._viewed: list[int] = []
         with torch.no_grad():
             self._samples = [[torch.empty_like(v) for v in vs] for vs in self._sample_views()]
+        self._sample_packing = [pack_offsets(samples) for samples in self._samples]
         self._scales = [
             torch.tensor(  # (in the norms' dtype: the product needs no conversion)
                 [self._lattices[i].scale for i in group],
@@ -202,9 +216,12 @@ class SampledUpdateProbe:
         with torch.no_grad():
             views = self._sample_views()
             self._param_norms = []
-            for samples, group, sampled in zip(self._samples, self._groups, views):
+            for samples, group, sampled, packed in zip(
+                self._samples, self._groups, views, self._packing
+            ):
                 torch._foreach_copy_(samples, sampled)
-                self._param_norms.append(weight_norms([self._params[i] for i in group]))
+                weights: list[Tensor] = [self._params[i] for i in group]
+                self._param_norms.append(weight_norms(weights, packed))
 
     def after(self) -> tuple[Tensor, torch.cuda.Event | None]:
         """The step's rows, in the order of ``params``, and the event its host copy sets."""
@@ -212,7 +229,9 @@ class SampledUpdateProbe:
         with torch.no_grad():
             updates = []
             views = self._sample_views()
-            for samples, scales, sampled in zip(self._samples, self._scales, views):
+            for samples, scales, sampled, packed in zip(
+                self._samples, self._scales, views, self._sample_packing
+            ):
                 torch._foreach_sub_(samples, sampled)
-                updates.append(weight_norms(samples) * scales)
+                updates.append(weight_norms(samples, packed) * scales)
             return update_rows(self._param_norms, updates, self._index, self._inverse)
