@@ -34,6 +34,17 @@ def test_torch_foreach_ops_take_lists_and_keep_their_signatures() -> None:
     assert copies[0].tolist() == [0.0, 0.0]
 
 
+def test_torch_flatten_dense_tensors_concatenates_in_one_call() -> None:
+    """stats.py: many small gradients packed end to end (one tensor alone: a view of it,
+    which every caller copies before working in place)."""
+    from torch._utils import _flatten_dense_tensors
+
+    grads = [torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([5.0]), torch.zeros(0)]
+    assert _flatten_dense_tensors(grads).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    alone = torch.tensor([[1.0], [2.0]])
+    assert _flatten_dense_tensors([alone]).data_ptr() == alone.data_ptr()
+
+
 def test_torch_pytree_leaves() -> None:
     from torch.utils._pytree import tree_leaves  # origin.py: tensors in any output
 
@@ -244,7 +255,8 @@ def test_no_other_private_api_is_used() -> None:
         "torch._foreach_norm", "torch._foreach_sub", "torch._foreach_clamp_max",
         "torch._foreach_clamp_min", "torch._foreach_copy_", "torch._foreach_sub_",
         "torch._C._current_graph_task_id", "torch.autograd.Variable._execution_engine",
-        "torch.utils._pytree", "scaler._scale", "scaler._per_optimizer_states",
+        "torch.utils._pytree", "torch._utils._flatten_dense_tensors", "scaler._scale",
+        "scaler._per_optimizer_states",
         "fluent._active_run_stack", "mlflow.tracking._tracking_service",
     }  # fmt: skip
     pattern = re.compile(r"\b(?:torch|mlflow|wandb|scaler|fluent|sys|threading)(?:\.\w+)*\._\w+")
