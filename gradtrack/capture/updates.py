@@ -48,10 +48,14 @@ class UpdateProbe:
     as a float64 ``[tensors, 2]`` tensor on the first device, copied to the host without a
     wait (`stats.copy_to_host`)."""
 
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], packs: Callable[[], bool] = lambda: True
+    ) -> None:
         self._params = list(params)
         self._groups, self._inverse = device_groups(self._params)
-        # (a snapshot is laid out as its weights: the same packing serves both)
+        # (a snapshot is laid out as its weights: the same packing serves both; ``packs``
+        # False: the accelerator's kernel path, as tests take it on a CPU)
+        self._packs = packs
         self._packing = [pack_offsets([self._params[i] for i in g]) for g in self._groups]
         self._index = DeviceIndex()
         self._snapshots: list[list[Tensor]] | None = None
@@ -67,7 +71,8 @@ class UpdateProbe:
             if self._snapshots is None:
                 self._snapshots = [[torch.empty_like(w) for w in ws] for ws in weights]
             self._param_norms = []
-            for snapshot, ws, packed in zip(self._snapshots, weights, self._packing):
+            packing = self._packing if self._packs() else [None] * len(weights)
+            for snapshot, ws, packed in zip(self._snapshots, weights, packing):
                 torch._foreach_copy_(snapshot, ws)
                 self._param_norms.append(weight_norms(ws, packed))
 
@@ -76,7 +81,8 @@ class UpdateProbe:
         assert self._snapshots is not None, "after() without before()"
         with torch.no_grad():
             updates = []
-            for group, snapshot, packed in zip(self._groups, self._snapshots, self._packing):
+            packing = self._packing if self._packs() else [None] * len(self._groups)
+            for group, snapshot, packed in zip(self._groups, self._snapshots, packing):
                 torch._foreach_sub_(snapshot, [self._params[i] for i in group])
                 updates.append(weight_norms(snapshot, packed))
             return update_rows(self._param_norms, updates, self._index, self._inverse)
@@ -170,9 +176,14 @@ class SampledUpdateProbe:
     host without a wait — the rows `gradtrack.capture.handover.UpdateProbe` makes, from a sample."""
 
     def __init__(
-        self, params: Sequence[nn.Parameter], sample: int = SAMPLE_SIZE, seed: int = 0
+        self,
+        params: Sequence[nn.Parameter],
+        sample: int = SAMPLE_SIZE,
+        seed: int = 0,
+        packs: Callable[[], bool] = lambda: True,
     ) -> None:
         self._params = list(params)
+        self._packs = packs  # (as `UpdateProbe`'s)
         rng = np.random.default_rng(seed)
         self._lattices = [
             Lattice(p.numel(), sample, rng, whole=not p.is_contiguous()) for p in self._params
@@ -216,9 +227,8 @@ class SampledUpdateProbe:
         with torch.no_grad():
             views = self._sample_views()
             self._param_norms = []
-            for samples, group, sampled, packed in zip(
-                self._samples, self._groups, views, self._packing
-            ):
+            packing = self._packing if self._packs() else [None] * len(self._groups)
+            for samples, group, sampled, packed in zip(self._samples, self._groups, views, packing):
                 torch._foreach_copy_(samples, sampled)
                 weights: list[Tensor] = [self._params[i] for i in group]
                 self._param_norms.append(weight_norms(weights, packed))
@@ -229,8 +239,9 @@ class SampledUpdateProbe:
         with torch.no_grad():
             updates = []
             views = self._sample_views()
+            packing = self._sample_packing if self._packs() else [None] * len(self._groups)
             for samples, scales, sampled, packed in zip(
-                self._samples, self._scales, views, self._sample_packing
+                self._samples, self._scales, views, packing
             ):
                 torch._foreach_sub_(samples, sampled)
                 updates.append(weight_norms(samples, packed) * scales)

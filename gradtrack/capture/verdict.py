@@ -682,12 +682,18 @@ def build_signals(
     raise_rules = rules.with_action("raise", SKIPPABLE)  # judged on every step's norms
     if signals.spikes or signals.skips or signals.flight or raise_rules:
         signals.layer_norms = LayerNorms(collector.index.tensor_layer, len(layer_names))
+
+    def packs() -> bool:  # (the CPU's packed passes, unless the accelerator's path is forced)
+        return collector.foreach_only is not True
+
     if exact:
-        signals.updates = UpdateProbe(collector.params)
+        signals.updates = UpdateProbe(collector.params, packs)
     elif config.update_signals == "sampled":
         signals.missing = _sampled_missing(own_steps, collector.sharded_weights, scaled)
         if signals.missing is None:
-            signals.updates = SampledUpdateProbe(collector.params, seed=config.histograms.seed)
+            signals.updates = SampledUpdateProbe(
+                collector.params, seed=config.histograms.seed, packs=packs
+            )
     return signals
 
 
