@@ -647,22 +647,7 @@ def build_signals(
     layer_names = collector.index.layer_names
     skip_rules = rules.skip_rules()
     exact = config.update_signals is True
-    if (skip_rules or exact) and not own_steps:
-        feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
-        raise GradtrackError(
-            f"{feature} needs optimizer= (without scaler=): gradtrack must be at the "
-            "optimizer's step, before and after it runs. (A GradScaler already skips "
-            "non-finite steps by itself.)"
-        )
-    if skip_rules and collector.partitions is not None:
-        raise GradtrackError(
-            f"action='skip' ({', '.join(skip_rules)}) cannot leave out a DeepSpeed ZeRO step: "
-            "the ZeRO optimizer steps its own partitions; use action='raise' or 'warn'"
-        )
-    if exact and collector.sharded_weights:
-        raise GradtrackError(
-            "update_signals does not support sharded parameters (FSDP2, ZeRO-3) yet"
-        )
+    _refuse_unsupported(skip_rules, exact, collector, own_steps)
     signals = Signals()
     spike_on = per_step.enabled["spike"]
     if spike_on.any() and guard_every_step:
@@ -695,6 +680,28 @@ def build_signals(
                 collector.params, seed=config.histograms.seed, packs=packs
             )
     return signals
+
+
+def _refuse_unsupported(
+    skip_rules: tuple[str, ...], exact: bool, collector: Collector, own_steps: bool
+) -> None:
+    """A clear error where skipping or exact update signals cannot work with this setup."""
+    if (skip_rules or exact) and not own_steps:
+        feature = f"action='skip' ({', '.join(skip_rules)})" if skip_rules else "update_signals"
+        raise GradtrackError(
+            f"{feature} needs optimizer= (without scaler=): gradtrack must be at the "
+            "optimizer's step, before and after it runs. (A GradScaler already skips "
+            "non-finite steps by itself.)"
+        )
+    if skip_rules and collector.partitions is not None:
+        raise GradtrackError(
+            f"action='skip' ({', '.join(skip_rules)}) cannot leave out a DeepSpeed ZeRO step: "
+            "the ZeRO optimizer steps its own partitions; use action='raise' or 'warn'"
+        )
+    if exact and collector.sharded_weights:
+        raise GradtrackError(
+            "update_signals does not support sharded parameters (FSDP2, ZeRO-3) yet"
+        )
 
 
 def _sampled_missing(own_steps: bool, sharded: bool, scaled: bool) -> str | None:
