@@ -91,7 +91,7 @@ def test_a_large_output_gradient_is_not_held_and_the_event_says_so(
             optimizer.zero_grad()
             model(torch.randn(32, 8)).pow(2).mean().backward()
             probe = watcher.probes.origin
-            assert probe is not None and probe._output_grads == []  # nothing held
+            assert probe is not None and probe.output_grads() == []  # nothing held
             optimizer.step()
     event = only(sink.events, "nonfinite")[0]
     assert event.step == 1 and "not kept" in event.message
@@ -124,3 +124,54 @@ def test_a_bad_step_reads_its_flags_back_once_not_once_per_tensor(
     flags = [torch.tensor(True), torch.tensor(False), torch.tensor(True)]
     assert _read(flags) == [True, False, True] and reads == [torch.Size([3])]
     assert _read([]) == []
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads; the loss reads only the second, whose path is poisoned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.test_alerts import Poison
+
+        torch.manual_seed(0)
+        self.trunk, self.first, self.poison = nn.Linear(8, 16), nn.Linear(16, 2), Poison()
+        self.second = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return self.first(h), self.second(self.poison(h))
+
+
+def test_a_backward_nan_is_found_through_the_output_that_received_a_gradient() -> None:
+    """Two outputs, the loss on the second only: the replay's backward starts from each output
+    tensor's own gradient (the first received none), and names the module that made it."""
+    model = TwoHeads()
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer):
+        for step in range(4):
+            model.poison.value = float("nan") if step == 2 else None
+            optimizer.zero_grad()
+            _, second = model(torch.randn(32, 8))
+            second.pow(2).mean().backward()
+            optimizer.step()
+    (event,) = only(sink.events, "nonfinite")
+    assert (event.step, event.origin_stage, event.origin_layer) == (2, "backward", "poison")
+
+
+def test_the_output_gradient_is_released_when_the_next_forward_begins() -> None:
+    """The probe has autograd keep the output's gradient for a replay: readable after the
+    optimizer step, as a user's own ``retain_grad`` is, and released when the next forward
+    begins, so that it never adds to the peak memory of a forward and backward."""
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    outputs = []
+    with gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer):
+        for _ in range(3):
+            optimizer.zero_grad()
+            outputs.append(model(torch.randn(16, 8)))
+            if len(outputs) > 1:
+                assert outputs[-2].grad is None  # released as this forward began
+            outputs[-1].pow(2).mean().backward()
+            optimizer.step()
+            assert outputs[-1].grad is not None and outputs[-1].grad.shape == (16, 1)
