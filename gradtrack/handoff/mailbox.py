@@ -162,6 +162,10 @@ class Mailbox:
         self._bytes = 0
         self._closed = False
         self._urgent = False  # a step waits for the worker's answer: no gathering
+        # What the taker waits for: None (not waiting), 0 (anything), or a batch of that many
+        # steps. A step put wakes it only where it would act: waking a thread to find it must
+        # wait on costs the training thread the GIL at every logged step.
+        self._taker: int | None = None
         self._changed = threading.Condition()
 
     @classmethod
@@ -190,7 +194,9 @@ class Mailbox:
             self._steps += 1
             self._bytes += size
             self._urgent |= isinstance(item, PendingStep) and item.reply is not None
-            self._changed.notify_all()
+            taker = self._taker  # (a control message wakes it whenever it is put)
+            if taker is not None and (taker == 0 or self._urgent or self._steps >= taker):
+                self._changed.notify_all()
 
     def _full(self, adding_bytes: int) -> bool:
         return self._steps >= self.capacity or self._bytes + adding_bytes > self.max_bytes
@@ -227,12 +233,18 @@ class Mailbox:
         (none once the mailbox is closed).
 
         Once a step is waiting, wait up to ``gather_s`` more for others to join it (unless a
-        control message or a full batch arrives): fewer, larger hand-offs.
+        control message, a step waiting for its verdict, or a full batch arrives): fewer,
+        larger hand-offs, and the taker woken once per batch rather than once per step.
         """
         with self._changed:
+            self._taker = 0
             self._changed.wait_for(lambda: bool(self._items) or self._closed)
             if gather_s > 0:
-                self._changed.wait_for(lambda: self._ready(max_steps), timeout=gather_s)
+                self._taker = max_steps
+                self._changed.wait_for(
+                    lambda: self._closed or self._ready(max_steps), timeout=gather_s
+                )
+            self._taker = None
             taken: list[QueuedItem] = []
             while self._items and len(taken) < max_steps:
                 item = self._items.popleft()
