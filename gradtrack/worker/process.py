@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -124,6 +125,8 @@ class WorkerProcess:
         self._act = act
         self._drops = drops
         self._max_batch_steps = plan.config.delivery.max_batch_steps
+        self._gather_s = plan.config.delivery.batch_wait_s
+        self._plan_spools = plan.config.spool.enabled
         n = len(self._sinks)
         self._state = DeliveryState(0, "", True, (0,) * n, (0,) * n, None)
         self._targets: tuple[dict[str, Any] | None, ...] = (None,) * n
@@ -131,6 +134,8 @@ class WorkerProcess:
         self._received = 0  # steps the child took off the pipe, as it last said
         self._sent = 0  # steps sent to the child
         self._handed = 0  # of which the child's worker handed to delivery
+        self._reports = 0  # of the child's state, so far
+        self._sending = 0  # steps the feed thread took and is sending
         self._replies: dict[int, Reply] = {}
         self._controls: dict[int, threading.Event] = {}
         self._ids = itertools.count()
@@ -182,10 +187,10 @@ class WorkerProcess:
             for sink in self._sinks:  # how training ended, for end_shared_run here
                 as_sink_base(sink).outcome = outcome
         control = Control(kind, outcome)
-        self._mailbox.put_control(control)
         names = ", ".join(type(sink).__name__ for sink in self._sinks)
         done = False
         try:
+            self._mailbox.put_control(control)
             done = wait_while_progressing(
                 control.done,
                 self._left,
@@ -195,14 +200,47 @@ class WorkerProcess:
                 waiting_for=self._waiting_for,
             )
         except KeyboardInterrupt:
-            if self._state.spool is not None:
-                report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
-            if kind == "stop":
-                self._end_child(done=False)
+            try:
+                if kind == "stop":
+                    self._spool_before_leaving(timeout_s)
+            finally:  # (also after a second Ctrl-C, which leaves the rest)
+                if self._state.spool is not None:
+                    report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
+                if kind == "stop":
+                    self._end_child(done=False)
             raise
         if kind == "stop":
             self._end_child(done)
         return done
+
+    def _spool_before_leaving(self, timeout_s: float) -> None:
+        """Ctrl-C while a stop waits on delivery: the steps not yet in the child's spool get
+        there before the child is ended (a child still starting, its imports on a busy
+        machine, takes seconds, and must not take them with it). No longer than delivery's
+        own patience while they make no progress; a second Ctrl-C leaves them."""
+        if self._gone.is_set() or not self._plan_spools or not self._unspooled():
+            return
+        report(
+            f"gradtrack: interrupted; saving {self._unspooled():,} step(s) to the spool first "
+            "(Ctrl-C again to leave them)"
+        )
+        fewest, progress_at = self._unspooled(), time.monotonic()
+        reports = None  # the child's reports of its state when the last step reached it
+        while not self._gone.wait(0.05):
+            left, now = self._unspooled(), time.monotonic()
+            if not left:  # all spooled: one report more, for the hint's spool and count
+                reports = self._reports if reports is None else reports
+                if self._reports > reports or now - progress_at > 1.0:
+                    return
+                continue
+            if left < fewest or self._state.starting:
+                fewest, progress_at = min(left, fewest), now
+            elif now - progress_at > timeout_s:
+                return
+
+    def _unspooled(self) -> int:
+        """Steps not yet in the child's spool: waiting here, in the pipe, or in its worker."""
+        return len(self._mailbox) + self._sending + max(0, self._sent - self._handed)
 
     def _left(self) -> int:
         return self._not_taken() + self._state.left
@@ -241,15 +279,15 @@ class WorkerProcess:
         try:
             self._to_child.send(setup)
             while True:
-                items = self._mailbox.take(self._max_batch_steps)
+                items = self._mailbox.take(self._max_batch_steps, self._gather_s)
                 if self._mailbox.closed:
                     return
+                sending = self._sending = sum(isinstance(item, PendingStep) for item in items)
                 steps = [self._outgoing(item) for item in items if not isinstance(item, Control)]
                 if steps:
-                    sending = sum(isinstance(item, PendingStep) for _, item in steps)
                     self._to_child.send_bytes(_dumps(("steps", steps, self._mailbox.dropped)))
                     self._sent += sending
-                    sending = 0
+                    sending = self._sending = 0
                 if items and isinstance(items[-1], Control):
                     control = items[-1]
                     key = next(self._ids)
@@ -322,6 +360,7 @@ class WorkerProcess:
 
     def _follow(self, told: _Report) -> None:
         self._state, self._received = told.state, told.received
+        self._reports += 1
         if told.dropped > self._child_dropped:
             self._drops.count(told.dropped - self._child_dropped)
             self._child_dropped = told.dropped
