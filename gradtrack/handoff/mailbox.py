@@ -166,6 +166,7 @@ class Mailbox:
         # steps. A step put wakes it only where it would act: waking a thread to find it must
         # wait on costs the training thread the GIL at every logged step.
         self._taker: int | None = None
+        self.taken = 0  # steps (not their follow-ups) taken so far
         self._changed = threading.Condition()
 
     @classmethod
@@ -252,6 +253,7 @@ class Mailbox:
                 if isinstance(item, Control):
                     break
                 self._steps -= 1
+                self.taken += isinstance(item, PendingStep)
                 self._bytes -= _nbytes(item)
             self._urgent = any(isinstance(i, PendingStep) and i.reply for i in self._items)
             self._changed.notify_all()

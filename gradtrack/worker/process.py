@@ -124,8 +124,7 @@ class WorkerProcess:
         self._mailbox = mailbox
         self._act = act
         self._drops = drops
-        self._max_batch_steps = plan.config.delivery.max_batch_steps
-        self._gather_s = plan.config.delivery.batch_wait_s
+        self._delivery = plan.config.delivery  # (its batches: max_batch_steps, batch_wait_s)
         self._plan_spools = plan.config.spool.enabled
         n = len(self._sinks)
         self._state = DeliveryState(0, "", True, (0,) * n, (0,) * n, None)
@@ -134,8 +133,6 @@ class WorkerProcess:
         self._received = 0  # steps the child took off the pipe, as it last said
         self._sent = 0  # steps sent to the child
         self._handed = 0  # of which the child's worker handed to delivery
-        self._reports = 0  # of the child's state, so far
-        self._sending = 0  # steps the feed thread took and is sending
         self._replies: dict[int, Reply] = {}
         self._controls: dict[int, threading.Event] = {}
         self._ids = itertools.count()
@@ -202,7 +199,7 @@ class WorkerProcess:
         except KeyboardInterrupt:
             try:
                 if kind == "stop":
-                    self._spool_before_leaving(timeout_s)
+                    _spool_before_leaving(self, timeout_s)
             finally:  # (also after a second Ctrl-C, which leaves the rest)
                 if self._state.spool is not None:
                     report(f"gradtrack: interrupted while delivering; {self.sync_hint()}")
@@ -212,35 +209,6 @@ class WorkerProcess:
         if kind == "stop":
             self._end_child(done)
         return done
-
-    def _spool_before_leaving(self, timeout_s: float) -> None:
-        """Ctrl-C while a stop waits on delivery: the steps not yet in the child's spool get
-        there before the child is ended (a child still starting, its imports on a busy
-        machine, takes seconds, and must not take them with it). No longer than delivery's
-        own patience while they make no progress; a second Ctrl-C leaves them."""
-        if self._gone.is_set() or not self._plan_spools or not self._unspooled():
-            return
-        report(
-            f"gradtrack: interrupted; saving {self._unspooled():,} step(s) to the spool first "
-            "(Ctrl-C again to leave them)"
-        )
-        fewest, progress_at = self._unspooled(), time.monotonic()
-        reports = None  # the child's reports of its state when the last step reached it
-        while not self._gone.wait(0.05):
-            left, now = self._unspooled(), time.monotonic()
-            if not left:  # all spooled: one report more, for the hint's spool and count
-                reports = self._reports if reports is None else reports
-                if self._reports > reports or now - progress_at > 1.0:
-                    return
-                continue
-            if left < fewest or self._state.starting:
-                fewest, progress_at = min(left, fewest), now
-            elif now - progress_at > timeout_s:
-                return
-
-    def _unspooled(self) -> int:
-        """Steps not yet in the child's spool: waiting here, in the pipe, or in its worker."""
-        return len(self._mailbox) + self._sending + max(0, self._sent - self._handed)
 
     def _left(self) -> int:
         return self._not_taken() + self._state.left
@@ -279,15 +247,17 @@ class WorkerProcess:
         try:
             self._to_child.send(setup)
             while True:
-                items = self._mailbox.take(self._max_batch_steps, self._gather_s)
+                items = self._mailbox.take(
+                    self._delivery.max_batch_steps, self._delivery.batch_wait_s
+                )
                 if self._mailbox.closed:
                     return
-                sending = self._sending = sum(isinstance(item, PendingStep) for item in items)
+                sending = sum(isinstance(item, PendingStep) for item in items)
                 steps = [self._outgoing(item) for item in items if not isinstance(item, Control)]
                 if steps:
                     self._to_child.send_bytes(_dumps(("steps", steps, self._mailbox.dropped)))
                     self._sent += sending
-                    sending = self._sending = 0
+                    sending = 0
                 if items and isinstance(items[-1], Control):
                     control = items[-1]
                     key = next(self._ids)
@@ -360,7 +330,6 @@ class WorkerProcess:
 
     def _follow(self, told: _Report) -> None:
         self._state, self._received = told.state, told.received
-        self._reports += 1
         if told.dropped > self._child_dropped:
             self._drops.count(told.dropped - self._child_dropped)
             self._child_dropped = told.dropped
@@ -389,6 +358,41 @@ class WorkerProcess:
             reply.fail()
         for done in controls:
             done.set()
+
+
+def _spool_before_leaving(worker: WorkerProcess, timeout_s: float) -> None:
+    """Ctrl-C while a stop waits on delivery: the steps not yet in the child's spool get there
+    before the child is ended (a child still starting, its imports on a busy machine, takes
+    seconds, and must not take them with it): those waiting in the training process, being
+    sent, in the pipe or in the child's worker (the queue's length read first: a step taken
+    meanwhile counts twice, never not at all). Then one more report of the child's state, for
+    the sync hint's folder and count. No longer than ``timeout_s`` without progress (a child
+    still starting counts as progress), nor once the child is gone; a second Ctrl-C leaves
+    them."""
+    if worker._gone.is_set() or not worker._plan_spools:
+        return
+
+    def unspooled() -> int:
+        waiting = len(worker._mailbox)
+        return waiting + max(0, worker._mailbox.taken - worker._handed)
+
+    fewest, progress_at = unspooled(), time.monotonic()
+    if fewest:
+        report(
+            f"gradtrack: interrupted; saving {fewest:,} step(s) to the spool first (Ctrl-C "
+            "again to leave them)"
+        )
+    told = None  # the child's last report when the last step reached its spool
+    while not worker._gone.wait(0.05):
+        left, now = unspooled(), time.monotonic()
+        if not left:
+            told = worker._state if told is None else told
+            if worker._state is not told or now - progress_at > 1.0:  # (each report is new)
+                return
+        elif left < fewest or worker._state.starting:
+            fewest, progress_at = left, now
+        elif now - progress_at > timeout_s:
+            return
 
 
 def _spawn() -> tuple[subprocess.Popen[bytes], Connection, Connection]:
