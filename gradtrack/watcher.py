@@ -137,6 +137,7 @@ class Watcher:
         if runs_apart(sinks, config):
             try:
                 self.worker = WorkerProcess(self.plan, sinks, self.mailbox, act, self.drops)
+                self.collector.whole.shared = self.worker.shared  # (read there in place)
                 return
             except OSError as exc:
                 report(f"gradtrack could not start its worker process ({exc!r}); it is a thread")

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.capture.probes import OutputProbe
 from gradtrack.errors import GradientWarning, GradtrackConfigError
 from gradtrack.formats.event import AlertEvent
 from gradtrack.sinks import ConsoleSink, MemorySink
@@ -430,3 +435,165 @@ def test_a_record_holds_the_norm_of_the_gradient_reaching_the_model_output() -> 
                 expected.append(float(torch.hypot(a.grad.norm(), b.grad.norm())))
     assert [r.step for r in sink.records] == [0, 2, 4]
     assert [r.output_grad_norm for r in sink.records] == pytest.approx(expected, rel=1e-6)
+
+
+# How a logged step's output checks are made: a small float32 CPU output is kept, with the
+# gradients that reach it, and checked by the worker from the step's one copy (``worker``) or,
+# where the step is reduced on the training thread, just before its evidence is packed
+# (``training_thread``); a larger one is checked in the forward and backward hooks (``hooks``).
+OUTPUT_PATHS = ("worker", "training_thread", "hooks")
+OUTPUT_CASES = {
+    "healthy": (lambda x: x, lambda a, b: a.pow(2).mean() + 3 * b.sum()),
+    "forward_nan": (lambda x: x.index_fill(1, torch.tensor([0]), math.nan), None),
+    "loss_inf": (lambda x: x, lambda a, b: a.pow(2).mean() + (b * math.inf).sum()),
+}
+
+
+@pytest.mark.parametrize("case", OUTPUT_CASES)
+@pytest.mark.parametrize("path", OUTPUT_PATHS)
+def test_the_output_checks_agree_whichever_way_they_are_made(path: str, case: str) -> None:
+    """Finite output, finite gradient reaching it, that gradient's norm over both heads: the
+    same in the record whoever checks them, as an independent reference has them; on the
+    worker's way the training thread checks nothing."""
+    from gradtrack.capture import collect, probes
+    from gradtrack.handoff.layout import FlatGrads, KeptOutputs
+
+    spoil, loss_of = OUTPUT_CASES[case]
+    loss_of = loss_of or OUTPUT_CASES["healthy"][1]
+    carried: list[Any] = []  # what each small step's copy held of its output
+    checked_here: list[str] = []  # checks the training thread made
+    reduce, checked, output_grad = FlatGrads.reduce, KeptOutputs.checked, OutputProbe._output_grad
+
+    def spy_reduce(self: FlatGrads) -> Any:
+        carried.append(self.outputs)
+        return reduce(self)
+
+    def spy_checked(self: KeptOutputs) -> Any:
+        checked_here.append("kept")
+        return checked(self)
+
+    def spy_output_grad(self: OutputProbe, grad: torch.Tensor) -> None:
+        checked_here.append("hook")
+        output_grad(self, grad)
+
+    torch.manual_seed(0)
+    model, sink, expected = TwoHeads(), MemorySink(), []
+    optimizer = NoUpdate(model.parameters())
+    defer = 0 if path == "training_thread" else collect.DEFER_BELOW_ELEMENTS
+    keep = 0 if path == "hooks" else probes.KEEP_OUTPUT_ELEMENTS
+    with (
+        mock.patch.object(FlatGrads, "reduce", spy_reduce),
+        mock.patch.object(KeptOutputs, "checked", spy_checked),
+        mock.patch.object(OutputProbe, "_output_grad", spy_output_grad),
+        mock.patch.object(collect, "DEFER_BELOW_ELEMENTS", defer),
+        mock.patch.object(probes, "KEEP_OUTPUT_ELEMENTS", keep),
+        gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1),
+    ):
+        for _ in range(3):
+            optimizer.zero_grad()
+            a, b = model(spoil(torch.randn(5, 4)))
+            reached: list[torch.Tensor] = []
+            a.register_hook(reached.append), b.register_hook(reached.append)
+            loss_of(a, b).backward()
+            optimizer.step()
+            outputs = torch.cat([a.detach().reshape(-1), b.detach().reshape(-1)])
+            grads = torch.cat([g.reshape(-1) for g in reached]).double()
+            finite = (bool(outputs.isfinite().all()), bool(grads.isfinite().all()))
+            norm = float(grads.norm())
+            expected.append((*finite, None if math.isnan(norm) else norm))  # (NaN: unknown)
+    got = [(r.output_finite, r.output_grad_finite, r.output_grad_norm) for r in sink.records]
+    assert [g[:2] for g in got] == [e[:2] for e in expected]
+    assert [g[2] is None for g in got] == [e[2] is None for e in expected]
+    np.testing.assert_allclose(
+        [g[2] for g in got if g[2] is not None],
+        [e[2] for e in expected if e[2] is not None],
+        rtol=1e-6,
+    )
+    if path == "worker":
+        assert carried == [(25, 25, True)] * 3 and checked_here == []
+    else:
+        assert set(carried) <= {None}
+        assert checked_here == (["kept"] * 3 if path == "training_thread" else ["hook"] * 6)
+
+
+@pytest.mark.slow
+def test_the_worker_process_checks_a_small_output_from_the_steps_copy(tmp_path: Path) -> None:
+    """In the MLflow child process: a loss that sends NaN to the model's output is told by the
+    output checks the child made from the step's copy, in the alert it stored."""
+    from gradtrack.formats.mlflow import read_alerts
+    from gradtrack.worker.process import WorkerProcess
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model = deep_model()
+    optimizer = NoUpdate(model.parameters())
+    with gradtrack.watch(
+        model, "mlflow", optimizer=optimizer, log_every=1, mlflow={"tracking_uri": uri}
+    ) as watcher:
+        assert isinstance(watcher.worker, WorkerProcess)
+        for step in range(3):
+            optimizer.zero_grad()
+            out = model(torch.randn(32, 8))
+            (out * 0).log().sum().backward() if step == 1 else out.pow(2).mean().backward()
+            optimizer.step()
+    (event,) = [e for e in read_alerts(watcher.sinks[0].run_id, uri) if e.rule == "nonfinite"]
+    assert event.step == 1 and event.origin_stage == "loss"
+    assert "the gradient reaching the model output was already non-finite" in event.message
+
+
+@pytest.mark.parametrize("path", ["worker", "hooks"])
+def test_a_bad_steps_replay_is_not_counted_as_its_forward(path: str) -> None:
+    """The replay that finds where a NaN arose runs the model again: the step's output checks,
+    its examples and the output gradient the user retained are the step's own, once."""
+    from gradtrack.capture import probes
+
+    model = deep_model()
+    optimizer = NoUpdate(model.parameters())
+    sink, reached = MemorySink(), []
+    keep = 0 if path == "hooks" else probes.KEEP_OUTPUT_ELEMENTS
+    with (
+        mock.patch.object(probes, "KEEP_OUTPUT_ELEMENTS", keep),
+        gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1) as watcher,
+    ):
+        model[3].value = math.nan  # (the backward breaks inside the model)
+        out = model(torch.randn(32, 8))
+        out.retain_grad()
+        out.register_hook(reached.append)
+        out.pow(2).mean().backward()
+        optimizer.step()
+        assert out.grad is not None and torch.equal(out.grad, reached[0])
+        batches = watcher.probes.batches
+        assert batches is not None and batches.examples == 0  # (the next step's, so far)
+    (record,) = sink.records
+    assert record.origin_module == "3" and record.output_grad_finite is True
+    assert record.output_grad_norm == pytest.approx(float(reached[0].double().norm()), rel=1e-6)
+
+
+@pytest.mark.parametrize("path", ["worker", "hooks"])
+def test_the_output_checks_cover_every_micro_batch_of_a_step(path: str) -> None:
+    """Two forward and backward passes per step (gradient accumulation): the gradient that
+    reached each micro-batch's output counts, once, in the step's norm, and the first's
+    ``.grad`` the user retained lives until the second forward, as it would unwatched."""
+    from gradtrack.capture import probes
+
+    torch.manual_seed(0)
+    model, sink, expected = TwoHeads(), MemorySink(), []
+    optimizer = NoUpdate(model.parameters())
+    keep = 0 if path == "hooks" else probes.KEEP_OUTPUT_ELEMENTS
+    with (
+        mock.patch.object(probes, "KEEP_OUTPUT_ELEMENTS", keep),
+        gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1),
+    ):
+        for step in range(3):
+            optimizer.zero_grad()
+            reached: list[torch.Tensor] = []
+            for micro in range(2):
+                a, b = model(torch.randn(4, 4))
+                a.retain_grad()
+                a.register_hook(reached.append), b.register_hook(reached.append)
+                (a.pow(2).mean() + (step + micro + 1) * b.sum()).backward()
+                assert a.grad is not None
+            optimizer.step()
+            assert a.grad is not None  # (until the next forward)
+            expected.append(float(torch.cat([g.reshape(-1) for g in reached]).double().norm()))
+    assert [r.output_grad_norm for r in sink.records] == pytest.approx(expected, rel=1e-6)
+    assert all(r.output_finite and r.output_grad_finite for r in sink.records)

@@ -4,6 +4,7 @@ with the default rules, and healthy training raises nothing."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 import gradtrack
 from benchmarks.models import MODELS
 from gradtrack.capture.spike import NormWindow
+from gradtrack.capture.verdict import QuietSteps
 from gradtrack.handoff.layout import spike_fields
 from gradtrack.sinks import MemorySink
 
@@ -192,10 +194,23 @@ def test_healthy_steps_judged_in_the_short_pass_judge_as_the_full_pass(
 ) -> None:
     """The short pass a healthy unlogged step takes (`QuietSteps`) keeps the spike window
     and the flight recorder as judging it in full would: same records, spike statistics,
-    alerts and flight windows — in Python floats (a small model's) and in numpy arrays."""
+    alerts and flight windows — in Python floats (a small model's) and in numpy arrays. A
+    small model's healthy logged steps take it too, and their records read the same."""
     if not in_floats:
         monkeypatch.setattr("gradtrack.capture.verdict.SMALL_MODEL_TENSORS", 0)
+    short_logged: list[int] = []  # logged steps planned in the short pass
+    logged = QuietSteps.logged
+
+    def spy(self: QuietSteps, step: int, *args: Any) -> Any:
+        plan = logged(self, step, *args)
+        if plan is not None:
+            short_logged.append(step)
+        return plan
+
+    monkeypatch.setattr(QuietSteps, "logged", spy)
     quick, quick_watcher = _judged_run(short_pass=True, frozen=frozen)
+    # A small model's healthy logged steps take it too (not 0 and 100: sampled for histograms)
+    assert short_logged == ([s for s in range(10, 140, 10) if s != 100] if in_floats else [])
     full, _ = _judged_run(short_pass=False, frozen=frozen)
     quiet = quick_watcher.judge._quiet
     assert quiet is not None and quiet._plan and (quiet._present is not None) == frozen

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,19 +14,25 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.capture.collect import DEFER_BELOW_ELEMENTS, Collector
 from gradtrack.capture.stats import PACK_BELOW_ELEMENTS, sample_bounds, sample_elements
 from gradtrack.formats.record import StepRecord
+from gradtrack.handoff.layout import FlatGrads, HostPart
+from gradtrack.handoff.mailbox import Mailbox, PendingStep
 from gradtrack.sinks import MemorySink
 from tests.conftest import assert_record_matches, reference_stats
 
-COUNT_STRATEGIES = {"foreach_only": True, "cpu_kernels": False}
+# Where a step's statistics are reduced: by the accelerators' foreach kernels, by the CPU's on
+# the training thread (a step past `DEFER_BELOW_ELEMENTS`), or by the worker from a small CPU
+# step's one copy of its gradients.
+COUNT_STRATEGIES = ("foreach_only", "cpu_kernels", "cpu_worker")
 PER_LAYER = pytest.mark.parametrize("per_layer", [True, False], ids=["per_layer", "l2_only"])
 
 
 def one_step(
     model: nn.Module,
     loss_fn: Callable[[nn.Module], torch.Tensor],
-    foreach_only: bool = False,
+    strategy: str = "cpu_worker",
     before_step: Callable[[nn.Module], None] | None = None,
     per_layer: bool = True,
     **overrides: object,
@@ -33,13 +41,27 @@ def one_step(
 
     ``per_layer=False``: the step measured is the second, which computes no max/mean |g|
     (``layer_every`` is 100), after a first one tampered with the same way (the first
-    non-finite step of a window is summarised in full)."""
+    non-finite step of a window is summarised in full). ``strategy``: one of
+    `COUNT_STRATEGIES`; each step's parts are checked to have taken it."""
     sink = MemorySink()
+    deferred: list[bool] = []  # per part collected: handed to the worker to reduce
+    collect = Collector.collect
+
+    def spy(self: Collector, *args: Any, **kwargs: Any) -> list[HostPart]:
+        parts = collect(self, *args, **kwargs)
+        deferred.extend(part.flat is not None for part in parts)
+        return parts
+
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    with gradtrack.watch(
-        model, backend=sink, optimizer=optimizer, log_every=1, **overrides
-    ) as watcher:
-        watcher.collector.foreach_only = foreach_only
+    bound = 0 if strategy == "cpu_kernels" else DEFER_BELOW_ELEMENTS
+    with (
+        mock.patch.object(Collector, "collect", spy),
+        mock.patch("gradtrack.capture.collect.DEFER_BELOW_ELEMENTS", bound),
+        gradtrack.watch(
+            model, backend=sink, optimizer=optimizer, log_every=1, **overrides
+        ) as watcher,
+    ):
+        watcher.collector.foreach_only = strategy == "foreach_only"
         if not per_layer:
             weights = copy.deepcopy(model.state_dict())
             loss_fn(model).backward()
@@ -53,6 +75,10 @@ def one_step(
             before_step(model)
         optimizer.step()
     assert len(sink.records) == (1 if per_layer else 2)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    small = sum(p.numel() for p in trained) <= DEFER_BELOW_ELEMENTS
+    fp32 = all(p.dtype == torch.float32 for p in trained)
+    assert deferred and deferred == [strategy == "cpu_worker" and fp32 and small] * len(deferred)
     record = sink.records[-1]
     assert record.abs_stats == per_layer
     return record
@@ -91,7 +117,7 @@ def test_statistics_match_reference_per_dtype(
     dtype: torch.dtype, rtol: float, strategy: str, per_layer: bool
 ) -> None:
     model = mlp(dtype)
-    record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy], per_layer=per_layer)
+    record = one_step(model, mlp_loss, strategy, per_layer=per_layer)
     assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]), rtol=rtol)
     total = reference_stats(p.grad for p in model.parameters())["norm"]
     assert record.total_norm == pytest.approx(total, rel=rtol)
@@ -106,13 +132,16 @@ def test_large_and_small_tensors_together(strategy: str, per_layer: bool) -> Non
         nn.Linear(8, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, 2)
     )
     assert model[2].weight.numel() >= PACK_BELOW_ELEMENTS > model[4].weight.numel()
+    # ... and past the bound below which the worker reduces a CPU step: "cpu_worker" too
+    # reduces it on the training thread (`one_step` checks which way each step took).
+    assert sum(p.numel() for p in model.parameters()) > DEFER_BELOW_ELEMENTS
 
     def inject(m: nn.Module) -> None:
         m[2].weight.grad[0, :3] = float("nan")
         m[4].weight.grad[1, 0] = float("inf")
 
     loss = lambda m: m(torch.randn(16, 8, generator=torch.Generator().manual_seed(1))).pow(2).mean()  # noqa: E731
-    record = one_step(model, loss, COUNT_STRATEGIES[strategy], inject, per_layer)
+    record = one_step(model, loss, strategy, inject, per_layer)
     assert_record_matches(record, expected_by_module(model, ["0", "2", "4"]), rtol=1e-5)
     assert (record.nan_count, record.inf_count) == (3, 1)
 
@@ -217,7 +246,7 @@ def test_sparse_embedding_is_summarised_as_its_dense_gradient(strategy: str) -> 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 1))
     tokens = torch.tensor([[3, 7, 3, 3, 9]])  # repeated rows: an uncoalesced sparse gradient
-    record = one_step(model, lambda m: m(tokens).sum(), COUNT_STRATEGIES[strategy])
+    record = one_step(model, lambda m: m(tokens).sum(), strategy)
     assert model[0].weight.grad.is_sparse
     assert_record_matches(record, expected_by_module(model, ["0", "1"]))
     assert record.column("numel")[0] == 200
@@ -235,7 +264,7 @@ def test_injected_nan_and_inf_are_counted_exactly(strategy: str, per_layer: bool
         m[4].weight.grad[0, :2] = float("nan")
         m[4].bias.grad[0] = float("inf")
 
-    record = one_step(model, mlp_loss, COUNT_STRATEGIES[strategy], inject, per_layer)
+    record = one_step(model, mlp_loss, strategy, inject, per_layer)
     stats = record.layer_stats()
     assert (stats["0"].nan, stats["0"].inf) == (3, 0)
     assert (stats["2"].nan, stats["2"].inf) == (0, 3)
@@ -277,3 +306,20 @@ def test_samples_come_uniformly_from_each_tensor_in_turn() -> None:
     bounds = sample_bounds(ten, [9], torch.device("cpu"))
     seen = {v for _ in range(30) for v in sample_elements(ten, [9], generator, bounds).tolist()}
     assert seen == set(range(10))
+
+
+def test_the_gradients_a_step_hands_the_worker_count_against_the_queues_bytes() -> None:
+    """A small CPU step's copy of its gradients waits in the queue with it: `delivery.queue_mib`
+    bounds them, the oldest step dropped (and counted) when the next would pass it."""
+
+    def step(n: int) -> PendingStep:
+        flat = FlatGrads(torch.zeros(1000), np.array([0]), full=True)  # 4,000 bytes
+        return PendingStep(n, 0.0, [HostPart(np.array([0]), None, buffer=None, flat=flat)])
+
+    mailbox = Mailbox(10, "drop_oldest", max_bytes=6000)
+    mailbox.put_step(step(0))
+    assert mailbox.dropped == 0
+    mailbox.put_step(step(1))
+    assert mailbox.dropped == 1
+    assert [item.step for item in mailbox.take(10, 0.0)] == [1]  # type: ignore[union-attr]
+    assert len(mailbox) == 0

@@ -4,7 +4,10 @@ logged steps (AdamW with weight decay: momentum, preconditioning and decay inclu
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,12 +15,27 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.capture.updates import Lattice, SampledUpdateProbe
+from gradtrack.capture import collect
+from gradtrack.capture.updates import Lattice, SampledUpdateProbe, UpdateProbe, WholeUpdateProbe
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.sinks import MemorySink
+from gradtrack.worker.process import WorkerProcess
 from tests.conftest import SmallCNN, cnn_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROBES = {"kernels": (UpdateProbe, SampledUpdateProbe), "whole": (WholeUpdateProbe,)}
+
+
+@pytest.fixture(autouse=True)
+def probe(request: pytest.FixtureRequest) -> Iterator[str]:
+    """How the update is measured: by the training thread's reductions ("kernels": every test
+    here unless it parametrizes ``probe``), or, for a small CPU model, by the worker from two
+    copies of the weights ("whole", `WholeUpdateProbe`: the default for models this small)."""
+    way = getattr(request, "param", "kernels")
+    bound = 0 if way == "kernels" else collect.DEFER_BELOW_ELEMENTS
+    with mock.patch("gradtrack.capture.collect.DEFER_BELOW_ELEMENTS", bound):
+        yield way
 
 
 def layer_norms(model: nn.Module) -> dict[str, list[torch.Tensor]]:
@@ -33,8 +51,30 @@ def norm(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float((t * t).sum()) for t in tensors))
 
 
+def train_on_small_batches(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, layers: tuple[str, ...]
+) -> dict[int, list[float]]:
+    """``steps`` steps on random (4, 6) batches; per step, each of ``layers``' real update
+    ratio ‖W after − W before‖ / ‖W before‖, measured here from copies."""
+    expected = {}
+    for step in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(4, 6)).pow(2).mean().backward()
+        before = layer_norms(model)
+        optimizer.step()
+        after = layer_norms(model)
+        expected[step] = [
+            norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
+            for name in layers
+        ]
+    return expected
+
+
+@pytest.mark.parametrize("probe", ["kernels", "whole"], indirect=True)
 @pytest.mark.parametrize("judged_in_training_thread", [False, True], ids=["worker", "raise_rule"])
-def test_update_ratio_is_the_real_adamw_update_per_layer(judged_in_training_thread: bool) -> None:
+def test_update_ratio_is_the_real_adamw_update_per_layer(
+    judged_in_training_thread: bool, probe: str
+) -> None:
     torch.manual_seed(0)
     model = SmallCNN()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -46,6 +86,7 @@ def test_update_ratio_is_the_real_adamw_update_per_layer(judged_in_training_thre
     with gradtrack.watch(
         model, backend=sink, optimizer=optimizer, update_signals=True, **extra
     ) as watcher:
+        assert isinstance(watcher.judge.signals.updates, PROBES[probe])
         for step in range(25):  # default schedule: logged steps 0, 10, 20
             images, labels = cnn_batch(seed=step)
             optimizer.zero_grad()
@@ -160,6 +201,46 @@ def test_the_default_estimates_each_layers_update_from_a_sample(optimizer_name: 
     assert not np.allclose(got[:, 1:], want[:, 1:], rtol=1e-4)  # a sample, not a copy
 
 
+@pytest.mark.parametrize("probe", ["whole"], indirect=True)
+@pytest.mark.parametrize("update_signals", [True, "sampled"], ids=["exact", "sampled"])
+def test_a_small_cpu_models_update_is_measured_whole_by_the_worker(update_signals: Any) -> None:
+    """SmallCNN (25,600 weights) is under `DEFER_BELOW_ELEMENTS`: either way of asking, the
+    training thread copies its weights before and after the step, and every layer's ratio
+    is the update SGD with momentum applied, exactly (no sample)."""
+    got, want = real_ratios("sgd_momentum", update_signals)
+    assert got.shape == (4, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5)  # (fp32 differences)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probe", ["whole"], indirect=True)
+def test_the_whole_update_crosses_to_the_worker_process_into_mlflow(tmp_path: Path) -> None:
+    """The embedded MLflow store runs the worker in a child process: the two copies of the
+    weights travel to it and its rows reach the store."""
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with gradtrack.watch(
+        model, "mlflow", optimizer=optimizer, update_signals=True, log_every=5,
+        mlflow={"tracking_uri": uri}, layer_every=5,
+    ) as watcher:  # fmt: skip
+        assert isinstance(watcher.worker, WorkerProcess)
+        assert isinstance(watcher.judge.signals.updates, WholeUpdateProbe)
+        expected = train_on_small_batches(model, optimizer, 11, ("0", "2"))
+    run_id = watcher.sinks[0].run_id  # (told by the child as it closed)
+    client = mlflow.MlflowClient(uri)
+    for i, layer in enumerate(("0", "2")):
+        history = sorted(
+            client.get_metric_history(run_id, f"update_ratio/{layer}"), key=lambda m: m.step
+        )
+        assert [m.step for m in history] == [0, 5, 10]
+        np.testing.assert_allclose(
+            [m.value for m in history], [expected[s][i] for s in (0, 5, 10)], rtol=1e-5
+        )
+
+
 def test_the_lattice_walks_across_rows_and_columns() -> None:
     lattice = Lattice(64 * 64, 32, np.random.default_rng(0), whole=False)
     assert (lattice.stride, lattice.count) == (127, 32)  # the largest prime <= 4096 / 32
@@ -246,18 +327,8 @@ def test_layers_of_two_dtypes_get_their_own_updates_in_their_own_order(signals: 
     model.forward = lambda x: model[4](model[3](model[2](model[1](model[0](x)).double()).float()))  # type: ignore[method-assign]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sink = MemorySink()
-    expected: dict[int, list[float]] = {}
     with gradtrack.watch(model, backend=sink, optimizer=optimizer, update_signals=signals):
-        for step in range(11):
-            optimizer.zero_grad()
-            model(torch.randn(4, 6)).pow(2).mean().backward()
-            before = layer_norms(model)
-            optimizer.step()
-            after = layer_norms(model)
-            expected[step] = [
-                norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
-                for name in ("0", "2", "4")
-            ]
+        expected = train_on_small_batches(model, optimizer, 11, ("0", "2", "4"))
     assert [r.step for r in sink.records] == [0, 10]
     for record in sink.records:
         assert record.layers == ("0", "2", "4")

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -276,3 +277,108 @@ def test_host_copies_cross_the_pipe_exact_whatever_their_dtype_or_layout() -> No
     for name, tensor in tensors.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     assert len(_dumps(tensors["view"])) < len(_dumps(base))  # not the whole storage
+
+
+def test_copies_laid_in_shared_memory_cross_as_where_they_lie_and_their_room_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ring both processes map, both sides in this process: a copy crosses as three
+    numbers and is read in place; a full ring lays nothing (the copy is then an ordinary
+    tensor); the room of a copy comes back once the reader let it go — or, where it never
+    crossed (a step dropped here), once it is let go here — and not before."""
+    import pickle
+
+    from gradtrack.handoff import shared as ring
+    from gradtrack.worker.process import _dumps
+
+    shared = ring.SharedCopies.create(size=4096)  # four copies of 256 float32
+    assert shared is not None
+    monkeypatch.setattr(ring, "_attached", ring.SharedCopies(shared.fd, shared.size))
+    laid = [shared.empty(256) for _ in range(4)]
+    assert all(copy is not None for copy in laid) and shared.empty(256) is None
+    for i, copy in enumerate(laid):
+        copy.copy_(torch.arange(256, dtype=torch.float32) + 1000 * i)
+    message = _dumps(("steps", laid[0]), shared)
+    assert len(message) < 200  # (1 KiB of floats: where they lie, not what they are)
+    _, there = pickle.loads(message)  # (the reader's view, in place)
+    assert torch.equal(there, laid[0]) and there.data_ptr() != laid[0].data_ptr()
+    del laid[0]  # (crossed: this side letting it go frees nothing)
+    assert shared.empty(256) is None
+    del there  # the reader let it go
+    assert shared.empty(256) is not None  # (its room, laid again and let go at once)
+    del laid[0]  # never crossed: its room comes back here
+    fresh = shared.empty(200)
+    assert fresh is not None and shared.empty(256) is None
+    assert torch.equal(laid[-1], torch.arange(256, dtype=torch.float32) + 3000)  # (untouched)
+    assert shared.empty(2000) is None  # (more than a quarter of the ring: never laid)
+
+
+def test_a_process_forked_from_the_trainer_frees_no_room_of_the_ring() -> None:
+    """A DataLoader worker forked from the training process inherits its objects and the
+    ring's mapping: copies it lets go are not its to free."""
+    from gradtrack.handoff.shared import SharedCopies
+
+    shared = SharedCopies.create(size=4096)
+    assert shared is not None
+    copies = [shared.empty(256) for _ in range(4)]
+    pid = os.fork()
+    if pid == 0:  # (the forked process)
+        copies.clear()
+        os._exit(0 if shared.empty(256) is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert shared.empty(256) is None  # (still full here)
+    copies.clear()
+    assert shared.empty(256) is not None
+
+
+@pytest.mark.slow
+def test_steps_whose_copies_lay_in_shared_memory_or_did_not_are_stored_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ring that holds a few dozen steps, a tight loop at log_every=1 that outruns a child
+    still starting: the first steps' copies are laid in shared memory, the rest wait as
+    ordinary tensors (reduced before they cross) until the child frees room. Each step's
+    total norm and its update ratios (each ``layer_every`` steps) are stored once, exact,
+    whichever way it went."""
+    from gradtrack.handoff.shared import SharedCopies
+
+    create = SharedCopies.create.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(SharedCopies, "create", classmethod(lambda cls: create(cls, 64 << 10)))
+    laid, full = [], []
+    empty = SharedCopies.empty
+
+    def counting(self: SharedCopies, numel: int) -> torch.Tensor | None:
+        copy = empty(self, numel)
+        (full if copy is None else laid).append(numel)
+        return copy
+
+    monkeypatch.setattr(SharedCopies, "empty", counting)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    expected_norms, expected_ratio = [], []
+    with gradtrack.watch(
+        model, backend="mlflow", optimizer=optimizer, log_every=1, mlflow={"tracking_uri": uri}
+    ) as watcher:
+        assert isinstance(watcher.worker, WorkerProcess) and watcher.worker.shared is not None
+        for _ in range(1500):
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+            expected_norms.append(float(grads.norm()))
+            before = torch.cat([p.detach().reshape(-1) for p in model[0].parameters()]).double()
+            optimizer.step()
+            after = torch.cat([p.detach().reshape(-1) for p in model[0].parameters()]).double()
+            expected_ratio.append(float((after - before).norm() / before.norm()))
+    assert laid and full  # (both ways taken)
+    client = mlflow.MlflowClient(uri)
+    run_id = watcher.sinks[0].run_id
+    norms = sorted(client.get_metric_history(run_id, "grad/total_norm"), key=lambda m: m.step)
+    assert [m.step for m in norms] == list(range(1500))
+    np.testing.assert_allclose([m.value for m in norms], expected_norms, rtol=1e-6)
+    ratios = sorted(client.get_metric_history(run_id, "update_ratio/0"), key=lambda m: m.step)
+    assert [m.step for m in ratios] == list(range(0, 1500, 100))  # (per layer: layer_every)
+    np.testing.assert_allclose(
+        [m.value for m in ratios], [expected_ratio[m.step] for m in ratios], rtol=1e-5
+    )

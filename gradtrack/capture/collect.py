@@ -25,31 +25,52 @@ from gradtrack.capture.stats import (
     abs_norms,
     copy_to_host,
     fill_nonfinite_counts,
+    flat_copy,
+    flatten,
     l2_norms,
     nonfinite_counts,
     pack_offsets,
     sample_bounds,
     sample_elements,
+    start_offsets,
     stat_rows,
     stored_values,
 )
 from gradtrack.capture.zero import PartitionGrads, full_numel
 from gradtrack.formats.histogram import split_in_proportion
-from gradtrack.handoff.layout import EvidenceLayout, HostPart, StepEvidence, TensorIndex
+from gradtrack.handoff.layout import (
+    EvidenceLayout,
+    FlatGrads,
+    HostPart,
+    StepEvidence,
+    TensorIndex,
+)
+from gradtrack.handoff.shared import SharedCopies
 
 _LAYOUT = operator.attrgetter("layout")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
+# A logged step of at most this many fp32 elements on the CPU hands the worker one copy of
+# its gradients, end to end, and the worker reduces them (`gradtrack.handoff.layout.FlatGrads`):
+# below it a step's statistics cost more in per-call Python than in arithmetic (its L1, max
+# and exact L2 took ~80 µs of the training thread's time on the 6,500 weights of
+# `benchmarks.fastloop`'s tight loop, the copy ~3 µs). Past it the copy would cost what the
+# reductions do, and a worker process's feed thread would hold the GIL to pickle it.
+DEFER_BELOW_ELEMENTS = 1 << 16
+
+
 @dataclass
 class DeviceGrads:
-    """One device's gradients at one step, grouped by dtype, with their exact L2 norms."""
+    """One device's gradients at one step, grouped by dtype, with their L2 norms (exact, or
+    the guard's plain pass where ``deferred``: the worker reduces the step's copy)."""
 
     device: torch.device
     foreach_only: bool  # the accelerator kernel path (kernels per step independent of depth)
     index: np.ndarray  # for each row: the tensor's index in `Collector.params`
     groups: list[tuple[slice, list[Tensor]]]  # per dtype: its rows and its gradients
     l2: Tensor  # float64 [rows], on the device
+    deferred: bool = False
 
 
 class GroupPlan(NamedTuple):
@@ -61,6 +82,8 @@ class GroupPlan(NamedTuple):
     # Where the group is many small CPU tensors: each one's first element in their packed
     # concatenation, for the guard's one packed pass (`gradtrack.capture.stats.l2_norms`).
     offsets: np.ndarray | None = None
+    dtype: torch.dtype = torch.float32  # (of the tensors whose statistics are taken)
+    elements: int = 0  # in all, in those tensors
 
 
 class DevicePlan(NamedTuple):
@@ -114,22 +137,23 @@ class Layouts:
         indices and whether each is used as it is (the common dense case)."""
         if len(self._plans) > 64:  # layouts that keep changing: keep the cache small
             self._plans.clear()
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[bool]]]
-        groups = defaultdict(lambda: ([], []))
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[bool], list[int]]]
+        groups = defaultdict(lambda: ([], [], []))
         for i, (param, grad) in enumerate(zip(self._params, grads)):
             if grad is None or not param.requires_grad:
                 continue
             self._check(i, grad)
             usable = self._usable(grad)
             simple = usable is grad
-            indices, simples = groups[(usable.device, usable.dtype)]
+            indices, simples, numels = groups[(usable.device, usable.dtype)]
             indices.append(i)
             simples.append(simple)
+            numels.append(usable.numel())
         by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
-        for (device, _), (indices, simples) in groups.items():
+        for (device, dtype), (indices, simples, numels) in groups.items():
             simple = all(simples)  # (packed: gradients used as they are)
             offsets = pack_offsets([grads[i] for i in indices]) if simple else None
-            by_device[device].append(GroupPlan(indices, simple, offsets))
+            by_device[device].append(GroupPlan(indices, simple, offsets, dtype, sum(numels)))
         return [DevicePlan.of(device, device_groups) for device, device_groups in by_device.items()]
 
 
@@ -151,6 +175,122 @@ class Guard:
             if part.device.type == "cpu"
             else bool(torch.isfinite(part.l2).all())  # the one sync a raise rule may cost
             for part in self.devices
+        )
+
+
+class Sampler:
+    """A logged step's histogram samples: each tensor's share of its layer's sample
+    (`_split_sample_budget`), drawn with one seeded generator per device, the bounds of each
+    set of tensors kept on its device across steps (a copy to an accelerator every step
+    would wait for it)."""
+
+    def __init__(self, counts: np.ndarray, seed: int) -> None:
+        self.counts = counts  # per tensor in `Collector.params`, on this rank
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
+
+    def draw(self, part: DeviceGrads) -> list[Tensor]:
+        """One sample per dtype group of the device's gradients."""
+        return [self._draw(part.device, part.index[rows], grads) for rows, grads in part.groups]
+
+    def counts_of(self, index: np.ndarray, grads: Sequence[Tensor]) -> np.ndarray:
+        """The elements each tensor's sample holds: its share, or all of a smaller tensor."""
+        return np.minimum(self.counts[index], _numel_of(grads))
+
+    def _draw(self, device: torch.device, indices: np.ndarray, grads: list[Tensor]) -> Tensor:
+        counts = self.counts[indices].tolist()
+        key = (device, indices.tobytes(), tuple(g.numel() for g in grads))
+        if key not in self._bounds:
+            if len(self._bounds) >= 8:
+                self._bounds.clear()
+            self._bounds[key] = sample_bounds(grads, counts, device)
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+            self._generators[device].manual_seed(self._seed)
+        return sample_elements(grads, counts, self._generators[device], self._bounds[key])
+
+
+class WholeCopies:
+    """A small model on the CPU: what the worker reduces from one copy, where the training
+    thread would otherwise pay a dozen small reductions in per-call Python — a logged step's
+    gradients (`FlatGrads`) and the weights around its optimizer step
+    (`gradtrack.capture.updates.WholeUpdateProbe`): dense fp32 CPU tensors, at most
+    `DEFER_BELOW_ELEMENTS` in all, summarised whole by this process (``here``: no mesh, ZeRO
+    partitions or DTensor shards)."""
+
+    def __init__(self, here: bool) -> None:
+        self.here = here
+        self._offsets: dict[tuple[int, ...], np.ndarray] = {}  # by the tensors' sizes
+        # Where the copies are laid when the worker is a process: memory it reads in place.
+        self.shared: SharedCopies | None = None
+
+    def copy(self, tensors: Sequence[Tensor], numel: int) -> Tensor:
+        """``tensors`` (``numel`` elements in all) end to end in a new float32 tensor: laid
+        in the memory the worker process shares where it has room, else an ordinary one."""
+        into = None if self.shared is None else self.shared.empty(numel)
+        if into is None:
+            return flat_copy(tensors)
+        return into.copy_(flatten(tensors) if len(tensors) > 1 else tensors[0].reshape(-1))
+
+    def fit(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether ``tensors`` (the weights) are handed off whole: none empty."""
+        return (
+            self.here
+            and bool(tensors)
+            and all(
+                t.device.type == "cpu"
+                and t.dtype == torch.float32
+                and t.layout == torch.strided
+                and t.numel() > 0
+                for t in tensors
+            )
+            and sum(t.numel() for t in tensors) <= DEFER_BELOW_ELEMENTS
+        )
+
+    def fits_plan(self, plan: DevicePlan, foreach_only: bool) -> bool:
+        """Whether a logged step on this layout hands the worker its gradients to reduce."""
+        return (
+            not foreach_only
+            and self.here
+            and plan.device.type == "cpu"
+            and all(group.dtype == torch.float32 for group in plan.groups)
+            and sum(group.elements for group in plan.groups) <= DEFER_BELOW_ELEMENTS
+        )
+
+    def hand_off(
+        self,
+        part: DeviceGrads,
+        sampler: Sampler | None,
+        evidence: StepEvidence | None,
+        full: bool,
+    ) -> HostPart:
+        """A small CPU step's part: its gradients copied end to end, for the worker to reduce;
+        its samples, where due (``sampler``), drawn here as always."""
+        grads = [grad for _, group in part.groups for grad in group]
+        kept = None if evidence is None else evidence.kept_outputs
+        if kept is not None and kept.copied_whole():  # (the output rides along, unchecked)
+            evidence.kept_outputs = None  # type: ignore[union-attr]
+        else:
+            kept = None
+        numels = tuple(g.numel() for g in grads)
+        extra = () if kept is None else kept.sizes()[:2]  # (its outputs and their gradients)
+        # (a copy: the user may change the gradients after the step)
+        together = grads if kept is None else [*grads, *kept.outputs, *kept.grads]
+        values = self.copy(together, sum(numels) + sum(extra))
+        offsets = self._offsets.get(numels)
+        if offsets is None:  # (a new layout: kept, as the plans are)
+            if len(self._offsets) > 64:
+                self._offsets.clear()
+            offsets = self._offsets[numels] = start_offsets(numels)
+        samples = sampler.draw(part) if sampler is not None else []
+        counts = sampler.counts_of(part.index, grads) if sampler is not None else None
+        return cpu_part(
+            part.index,
+            counts,
+            samples,
+            evidence,
+            flat=FlatGrads(values, offsets, full, None if kept is None else kept.sizes()),
         )
 
 
@@ -183,13 +323,12 @@ class Collector:
         self.mesh, sample_counts, numel = _combined_pieces(
             layers, self.params, tensor_layer, ranks, partitions, sample_size
         )
-        self.sample_counts = sample_counts
+        self.sampler = Sampler(sample_counts, seed)
+        # (each gradient summarised whole by this process: no pieces to combine)
+        self.whole = WholeCopies(self.mesh is None and partitions is None and not self.local_shards)
         self.index = TensorIndex(
             tuple(layer.name for layer in layers), tensor_layer, np.array(numel, dtype=np.int64)
         )
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._bounds: dict[tuple[torch.device, bytes, tuple[int, ...]], Tensor] = {}
         self._placeholders: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.layouts = Layouts(self.params, self._usable, self._check_placements)
         self.host_transfers = 0
@@ -244,8 +383,12 @@ class Collector:
     ) -> DeviceGrads:
         device = plan.device
         foreach_only = device.type != "cpu" if self.foreach_only is None else self.foreach_only
+        # (deferred: the worker's rows are exact; the guard's verdict needs only the plain pass)
+        deferred = exact and self.whole.fits_plan(plan, foreach_only)
         norms = [
-            l2_norms(grads, on_host=not foreach_only, exact=exact, packed=group.offsets)
+            l2_norms(
+                grads, on_host=not foreach_only, exact=exact and not deferred, packed=group.offsets
+            )
             for group, grads in zip(plan.groups, groups)
         ]
         return DeviceGrads(
@@ -254,6 +397,7 @@ class Collector:
             plan.tensors,
             list(zip(plan.slices, groups)),
             torch.cat(norms) if len(norms) > 1 else norms[0],
+            deferred,
         )
 
     def collect(
@@ -284,30 +428,24 @@ class Collector:
         full: bool,
     ) -> HostPart:
         device, foreach_only = part.device, part.foreach_only
+        if part.deferred:
+            self.host_transfers += 1
+            return self.whole.hand_off(part, self.sampler if with_samples else None, evidence, full)
         if full:
             on_host = not foreach_only
             l1, linf = zip(*(abs_norms(grads, on_host) for _, grads in part.groups))
             rows = stat_rows(part.l2, torch.cat(l1), torch.cat(linf))
         else:
             rows = stat_rows(part.l2)
-        samples, all_grads = [], []
-        for group_rows, grads in part.groups:
-            if foreach_only:
+        all_grads = [grad for _, grads in part.groups for grad in grads]
+        if foreach_only:
+            for group_rows, grads in part.groups:
                 rows[group_rows, 3:] = nonfinite_counts(grads)
-            if with_samples:
-                indices = part.index[group_rows]
-                counts = self.sample_counts[indices].tolist()
-                bounds = self._sample_bounds(device, indices, grads, counts)
-                samples.append(sample_elements(grads, counts, self._generator(device), bounds))
-            all_grads.extend(grads)
-        tensor_index = part.index
-        if not foreach_only:  # CPU rows: count NaN/Inf now, where norms came out non-finite
+        else:  # CPU rows: count NaN/Inf now, where norms came out non-finite
             fill_nonfinite_counts(rows.numpy(), all_grads)
-        sample_counts = (
-            np.minimum(self.sample_counts[tensor_index], _numel_of(all_grads))
-            if with_samples
-            else None
-        )
+        tensor_index = part.index
+        samples = self.sampler.draw(part) if with_samples else []
+        sample_counts = self.sampler.counts_of(tensor_index, all_grads) if with_samples else None
         if self.mesh is not None:
             combined = self.mesh(
                 ShardStep(rows, tensor_index, samples, sample_counts, evidence or StepEvidence())
@@ -328,18 +466,9 @@ class Collector:
         """The device's `HostPart`: its one host copy launched, or on the CPU the tensors
         themselves."""
         self.host_transfers += 1
-        layout = EvidenceLayout() if evidence is None else evidence.layout()
         if device.type == "cpu":  # nothing to copy: the worker reads these tensors
-            return HostPart(
-                tensor_index,
-                sample_counts,
-                buffer=rows,
-                evidence_layout=layout,
-                cpu_evidence=None if evidence is None else evidence.on_host(),
-                cpu_samples=(torch.cat(samples) if len(samples) > 1 else samples[0])
-                if samples
-                else None,
-            )
+            return cpu_part(tensor_index, sample_counts, samples, evidence, buffer=rows)
+        layout = EvidenceLayout() if evidence is None else evidence.layout()
         float64 = [rows.reshape(-1)]
         if evidence is not None:
             float64.append(evidence.on_device(device))
@@ -353,31 +482,34 @@ class Collector:
             evidence_layout=layout,
         )
 
-    def _sample_bounds(
-        self, device: torch.device, indices: np.ndarray, grads: list[Tensor], counts: list[int]
-    ) -> Tensor:
-        """`stats.sample_bounds` for this set of tensors, kept on the device across steps
-        (a copy to an accelerator every step would wait for it)."""
-        key = (device, indices.tobytes(), tuple(g.numel() for g in grads))
-        if key not in self._bounds:
-            if len(self._bounds) >= 8:
-                self._bounds.clear()
-            self._bounds[key] = sample_bounds(grads, counts, device)
-        return self._bounds[key]
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self._seed)
-            self._generators[device] = generator
-        return self._generators[device]
-
     def _placeholder(self, grad: Tensor) -> Tensor:
         # foreach max-norm has no identity for empty tensors; one zero reads the same.
         key = (grad.device, grad.dtype)
         if key not in self._placeholders:
             self._placeholders[key] = torch.zeros(1, device=grad.device, dtype=grad.dtype)
         return self._placeholders[key]
+
+
+def cpu_part(
+    tensor_index: np.ndarray,
+    sample_counts: np.ndarray | None,
+    samples: list[Tensor],
+    evidence: StepEvidence | None,
+    buffer: Tensor | None = None,
+    flat: FlatGrads | None = None,
+) -> HostPart:
+    """A CPU device's `HostPart`: nothing to copy, the worker reads these tensors (its rows
+    in ``buffer``, or its gradients in ``flat``)."""
+    layout, values = (EvidenceLayout(), None) if evidence is None else evidence.on_host()
+    return HostPart(
+        tensor_index,
+        sample_counts,
+        buffer=buffer,
+        evidence_layout=layout,
+        cpu_evidence=values,
+        cpu_samples=(torch.cat(samples) if len(samples) > 1 else samples[0]) if samples else None,
+        flat=flat,
+    )
 
 
 def _combined_pieces(

@@ -44,6 +44,9 @@ class FlightRecorder:
         self._host: np.ndarray | None = None  # the ring's memory, where it is the CPU's
         self._written = 0  # slots written so far (the next one is ``_written % capacity``)
         self._handed = 0  # ... of which handed to the worker
+        # The last rows `record_host` took (the newest ``_written`` counts), not yet in the
+        # ring's memory: a list append costs a quiet step less than numpy's writes.
+        self._waiting: list[tuple[int, np.ndarray | list[float]]] = []
 
     @property
     def nbytes(self) -> int:
@@ -72,16 +75,30 @@ class FlightRecorder:
             on_error(step, exc)
 
     def record_host(self, step: int, norms: np.ndarray | list[float]) -> None:
-        """`record` for host norms (a CPU model's quiet step): two numpy writes."""
+        """`record` for host norms (a CPU model's quiet step), which the caller hands over
+        (they must not change): kept in a list, written into the ring with the others once
+        ``capacity`` wait or the ring is read."""
         if self._host is None:
             self.record(step, torch.as_tensor(norms, dtype=torch.float64))
             return
-        row = self._host[self._written % self.capacity]
-        row[:] = norms
-        row[0] = step
+        self._waiting.append((step, norms))
         self._written += 1
+        if len(self._waiting) == self.capacity:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Write the rows `record_host` keeps into their slots, in one numpy write."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        assert self._host is not None  # (they wait only where the ring is the CPU's)
+        rows = np.array([norms for _, norms in waiting], dtype=np.float64)
+        rows[:, 0] = [step for step, _ in waiting]  # (the total's place)
+        start = self._written - len(waiting)
+        self._host[np.arange(start, self._written) % self.capacity] = rows
 
     def _record(self, step: int, norms: Tensor, hold: Tensor | None) -> None:
+        self._settle()
         if self._ring is None or self._ring.device != norms.device:
             self._ring = torch.full(
                 (self.capacity, 1 + self.n_layers),
@@ -113,6 +130,12 @@ class FlightRecorder:
         are none. A held ring hands on rows it handed before: `FlightLog.add` drops them."""
         count = min(self._written - self._handed, self.capacity)
         self._handed = self._written
+        if 0 < count <= len(self._waiting):  # (all kept by `record_host`: read, never again)
+            waiting, self._waiting = self._waiting[-count:], []
+            kept = np.array([norms for _, norms in waiting], dtype=np.float64)
+            kept[:, 0] = [step for step, _ in waiting]  # (the total's place)
+            return torch.from_numpy(kept.reshape(-1))
+        self._settle()
         if count == 0 or self._ring is None:
             return None
         end = self._written % self.capacity

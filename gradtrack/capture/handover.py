@@ -22,7 +22,7 @@ from gradtrack.capture.distributed import RankGroup
 from gradtrack.capture.flight_ring import FlightRecorder
 from gradtrack.capture.origin import nonfinite_weight_layers
 from gradtrack.capture.probes import Probes
-from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe
+from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe, WholeUpdateProbe
 from gradtrack.capture.verdict import StepPlan
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.event import AlertEvent
@@ -39,7 +39,7 @@ class Handover:
     def __init__(
         self,
         mailbox: Mailbox,
-        updates: UpdateProbe | SampledUpdateProbe | None,
+        updates: UpdateProbe | SampledUpdateProbe | WholeUpdateProbe | None,
         ranks: RankGroup | None,
         wait_s: float,
         on_error: OnError,
@@ -205,13 +205,13 @@ class StepCollector:
         if not plan.bad or not (plan.due or replay):
             return None
         try:
-            collector, probe = self.collector, probes.origin
+            collector = self.collector
             weights = nonfinite_weight_layers(
                 collector.index.layer_names, collector.params, collector.index.tensor_layer
             )
             fields: dict[str, Any] = {"nonfinite_weights": weights}
-            if not weights and replay and probe is not None:
-                found = probe.locate()
+            found = probes.locate() if not weights and replay else None
+            if found is not None:
                 fields.update(
                     origin_module=found.module,
                     origin_module_stage=found.stage,

@@ -178,6 +178,7 @@ class MeshReduction:
         full = rows.new_zeros(n, TENSOR_COLUMNS)  # (a tensor without a gradient: zeros)
         full[on_device] = rows
         flags = rows.new_full((len(RANK_FLAGS),), float("nan"))
+        local.evidence.check_kept()
         for i, name in enumerate(RANK_FLAGS):
             flag = getattr(local.evidence, name)
             if flag is not None:

@@ -41,13 +41,13 @@ from torch.utils.hooks import RemovableHandle
 from gradtrack.capture.collect import Collector
 from gradtrack.capture.distributed import LocalNormProbe, RankGroup, replicated
 from gradtrack.capture.layers import unwrap_model
-from gradtrack.capture.origin import OriginProbe, float_tensors
+from gradtrack.capture.origin import Origin, OriginProbe, float_tensors
 from gradtrack.capture.skip import ForwardCounter, OptimizerGate
 from gradtrack.capture.stats import accumulation_dtype, stored_values
 from gradtrack.capture.zero import PartitionGrads, is_engine, steppable, zero_optimizer, zero_stage
 from gradtrack.config import NoiseScaleOptions
 from gradtrack.errors import GradtrackError
-from gradtrack.handoff.layout import StepEvidence
+from gradtrack.handoff.layout import KeptOutputs, StepEvidence
 from gradtrack.log import warn
 
 # Where a step ends: "auto" (see `Watcher`), "manual" (the owner calls `Watcher.end_step`),
@@ -118,6 +118,21 @@ class Probes:
         if taps is None:
             taps = self._taps[id(module)] = ForwardTaps(module, self.handles)
         return taps
+
+    def locate(self) -> Origin | None:
+        """Which module made this step's NaN/Inf (`OriginProbe.locate`; None: no origin probe),
+        the probes' forward hooks paused: the replay's forwards are not the step's (its
+        examples, its output and the gradient reaching it are counted once, and the output
+        gradient the user retained stays)."""
+        if self.origin is None:
+            return None
+        for taps in self._taps.values():
+            taps.paused = True
+        try:
+            return self.origin.locate()
+        finally:
+            for taps in self._taps.values():
+                taps.paused = False
 
     def attach_step_source(
         self,
@@ -238,6 +253,7 @@ class Probes:
                 evidence.output_finite,
                 evidence.output_grad_finite,
                 evidence.output_grad_norm,
+                evidence.kept_outputs,
             ) = self.output.take()
         if self.scaler_tap is not None:
             taken = self.scaler_tap.evidence()
@@ -289,14 +305,19 @@ class ForwardTaps:
     def __init__(self, module: nn.Module, handles: list[RemovableHandle]) -> None:
         self.before: list[Callable[[tuple[Any, ...], dict[str, Any]], None]] = []
         self.after: list[Callable[[Any], None]] = []
+        self.paused = False  # (a replay's forward is not a step's)
         handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
         handles.append(module.register_forward_hook(self._after))
 
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.paused:
+            return
         for before in self.before:
             before(args, kwargs)
 
     def _after(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self.paused:
+            return
         for after in self.after:
             after(output)
 
@@ -305,13 +326,25 @@ def _and(previous: Tensor | None, current: Tensor) -> Tensor:
     return current if previous is None else torch.logical_and(previous, current)
 
 
+# A float32 CPU output of at most this many elements (its gradients as many) is kept as it
+# is, for the worker to check: where checking it here takes five small reductions and a
+# Python hook, which cost a small model's logged step ~70 µs.
+KEEP_OUTPUT_ELEMENTS = 65_536
+
+
 class OutputProbe:
     """Is the model output finite, is the gradient that reaches it finite, and how large?
 
     The flags tell a non-finite forward pass or loss from a backward that broke inside the
     model; the gradient's L2 norm tells a model that fits its data (the loss sends almost no
     gradient) from one whose layers stopped passing it on. One ``isfinite().all()`` per
-    output tensor and one norm per output gradient, on logged steps only.
+    output tensor and one norm per output gradient, on logged steps only — or, for a small
+    float32 output on the CPU, none: the output and the gradients that reach it are kept
+    (`KeptOutputs`), for the worker to check from the step's one copy. Those gradients are
+    read from the outputs' ``.grad`` (retained by torch's own hook, where a Python hook costs
+    the step more than the checks), an earlier forward's as the step's next one begins; where
+    this probe made an output retain it, ``.grad`` is released as the next forward begins,
+    as `gradtrack.capture.origin.OriginProbe` releases its own.
     """
 
     def __init__(self, taps: ForwardTaps, is_due: Callable[[], bool]) -> None:
@@ -319,16 +352,42 @@ class OutputProbe:
         self.output_finite: Tensor | None = None
         self.output_grad_finite: Tensor | None = None
         self.output_grad_norm: Tensor | None = None
+        self._kept: list[Tensor] = []
+        self._kept_grads: list[Tensor] = []
+        self._kept_elements = 0
+        self._reaching: list[Tensor] = []  # kept outputs whose gradient is still to be read
+        self._retained: list[Tensor] = []  # outputs this probe made retain their gradient
+        taps.before.append(self._before_forward)
         taps.after.append(self._after_forward)
+
+    def _before_forward(self, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
+        if self._reaching:  # (a due step's later forward: its micro-batches)
+            self._read_grads()
+        if self._retained:
+            for leaf in self._retained:
+                leaf.grad = None
+            self._retained = []
 
     def _after_forward(self, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._is_due():
             return  # inside a compiled graph: see "Compiled regions" above
         for leaf in float_tensors(output):
+            if self._keeps(leaf):
+                self._kept.append(leaf.detach())
+                if leaf.requires_grad:
+                    self._reaching.append(leaf)
+                    if not leaf.retains_grad:
+                        leaf.retain_grad()
+                        self._retained.append(leaf)
+                continue
             with torch.no_grad():
                 self.output_finite = _and(self.output_finite, torch.isfinite(leaf).all())
             if leaf.requires_grad:
                 leaf.register_hook(self._output_grad)
+
+    def _read_grads(self) -> None:
+        self._kept_grads += [leaf.grad for leaf in self._reaching if leaf.grad is not None]
+        self._reaching = []
 
     def _output_grad(self, grad: Tensor) -> None:
         with torch.no_grad():
@@ -337,11 +396,29 @@ class OutputProbe:
             previous = self.output_grad_norm
             self.output_grad_norm = norm if previous is None else torch.hypot(previous, norm)
 
-    def take(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    def _keeps(self, leaf: Tensor) -> bool:
+        """Whether ``leaf`` is kept for the worker (its elements then counted)."""
+        size = 2 * leaf.numel()  # (the output and its gradient)
+        if (
+            leaf.device.type != "cpu"
+            or leaf.dtype != torch.float32
+            or leaf.layout != torch.strided
+            or (leaf.requires_grad and leaf.grad_fn is None)  # (a parameter: its .grad sums)
+            or self._kept_elements + size > KEEP_OUTPUT_ELEMENTS
+        ):
+            return False
+        self._kept_elements += size
+        return True
+
+    def take(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, KeptOutputs | None]:
         """The output's finiteness, its gradient's, and that gradient's norm (None: not
-        seen this step); the probe starts over."""
-        taken = self.output_finite, self.output_grad_finite, self.output_grad_norm
+        seen this step), and the outputs kept unchecked; the probe starts over."""
+        if self._reaching:
+            self._read_grads()
+        kept = KeptOutputs(self._kept, self._kept_grads) if self._kept else None
+        taken = self.output_finite, self.output_grad_finite, self.output_grad_norm, kept
         self.output_finite = self.output_grad_finite = self.output_grad_norm = None
+        self._kept, self._kept_grads, self._kept_elements = [], [], 0
         return taken
 
 

@@ -115,6 +115,8 @@ class NormWindow:
         self._host_waiting: list[np.ndarray | list[float]] = []
         self._state: dict[str, Any] = {}
         self._limits: list[float] | None = None  # ``limit_norm`` as floats, for `quiet_values`
+        # ``mean``, ``inv_std`` and ``typical`` as floats, for `vector_values`
+        self._stats: tuple[list[float], list[float], list[float]] | None = None
 
     def _state_for(self, norms: Tensor | np.ndarray, host: bool) -> dict[str, Any]:
         if not self._state or isinstance(self._state["sums"], np.ndarray) != host:
@@ -143,7 +145,7 @@ class NormWindow:
                 }
             self._position = self._waiting = 0
             self._host_waiting = []
-            self._limits = None
+            self._limits = self._stats = None
         return self._state
 
     def update(self, norms: Tensor, host: bool = False) -> Tensor:
@@ -170,18 +172,41 @@ class NormWindow:
         self._take(np, norms, state)
         return True
 
+    def vector_values(self, norms: list[float]) -> list[float]:
+        """`on_host`'s vector for a step whose norms (Python floats, finite) spike in no
+        column, before `quiet_values` takes them: each column's z-score (NaN where its norm
+        is 0), the typical norms, and no column spiking."""
+        self._state_for(_HOST, True)
+        stats = self._stats
+        if stats is None:
+            state = self._state
+            stats = self._stats = (
+                state["mean"].tolist(),
+                state["inv_std"].tolist(),
+                state["typical"].tolist(),
+            )
+        mean, inv_std, typical = stats
+        z = [
+            (math.log10(norm) - m) * s if norm > 0.0 else math.nan
+            for norm, m, s in zip(norms, mean, inv_std)
+        ]
+        return z + typical + [0.0] * len(norms)
+
     def quiet_values(self, norms: list[float]) -> bool:
         """`quiet` for a small model's norms as Python floats: on a handful of columns a
         comparison per column in Python costs less than numpy's calls (each ~10 µs inside a
         training step, its caches cold)."""
-        state = self._state_for(_HOST, True)
         limits = self._limits
         if limits is None:
-            limits = self._limits = state["limit_norm"].tolist()
+            limits = self._limits = self._state_for(_HOST, True)["limit_norm"].tolist()
         for norm, limit in zip(norms, limits):
             if norm > limit:
                 return False
-        self._take(np, norms, state)
+        if self._waiting + 1 < self.refresh:  # (`_take`, but for the refresh)
+            self._host_waiting.append(norms)
+            self._waiting += 1
+        else:
+            self._take(np, norms, self._state)
         return True
 
     def _step(self, xp: Any, norms: Any, state: dict[str, Any]) -> Any:
@@ -239,7 +264,7 @@ class NormWindow:
         limit = mean + at_least(state["z"] * std, state["log_ratio"])
         state["limit"] = xp.where(armed, limit, math.inf)
         state["limit_norm"] = 10.0 ** state["limit"]
-        self._limits = None
+        self._limits = self._stats = None
 
     def _slots(self, n: int) -> list[tuple[slice, slice]]:
         """Where ``n`` steps enter the ring of the window's rows: (its slots, their rows)."""

@@ -19,7 +19,7 @@ from gradtrack.handoff.layout import L2, NAN
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _flat(grads: Sequence[Tensor]) -> Tensor:
+def flatten(grads: Sequence[Tensor]) -> Tensor:
     """The tensors' elements end to end, in one new tensor (one tensor alone: a view of it).
 
     One C++ call flattens and concatenates, the helper DDP's bucketing uses: the public
@@ -27,6 +27,20 @@ def _flat(grads: Sequence[Tensor]) -> Tensor:
     the time on 600 small tensors (0.86 ms against 0.34 ms), and the guard packs them at
     every step."""
     return torch._utils._flatten_dense_tensors(grads)
+
+
+def flat_copy(tensors: Sequence[Tensor]) -> Tensor:
+    """`flatten`, always into a new tensor: a copy that keeps its values when the tensors
+    change (one tensor alone flattens to a view of itself, which would not).
+
+    >>> weight = torch.ones(2, 2)
+    >>> copy = flat_copy([weight])
+    >>> _ = weight.mul_(3)
+    >>> copy.tolist()
+    [1.0, 1.0, 1.0, 1.0]
+    """
+    values = flatten(tensors)
+    return values.clone() if len(tensors) == 1 else values
 
 
 def stored_values(grad: Tensor) -> Tensor:
@@ -160,7 +174,7 @@ def packed_abs_norms(grads: list[Tensor]) -> tuple[Tensor, Tensor]:
     """
     # One C++ call flattens and concatenates (DDP's bucketing uses the same helper). It
     # returns a single tensor's own storage: copy, since the reduction below works in place.
-    absolute = _flat(grads).to(torch.float64, copy=True).abs_()
+    absolute = flatten(grads).to(torch.float64, copy=True).abs_()
     lengths = torch.tensor([g.numel() for g in grads], device=absolute.device)
     l1 = torch.segment_reduce(absolute, "sum", lengths=lengths, unsafe=True)
     return l1, torch.segment_reduce(absolute, "max", lengths=lengths, unsafe=True)
@@ -176,6 +190,15 @@ def pack_offsets(tensors: Sequence[Tensor]) -> np.ndarray | None:
     numels = [t.numel() for t in tensors]
     if len(numels) < PACK_MIN_TENSORS or max(numels) >= PACK_BELOW_ELEMENTS or min(numels) == 0:
         return None
+    return start_offsets(numels)
+
+
+def start_offsets(numels: Sequence[int]) -> np.ndarray:
+    """Each tensor's first element where tensors of these sizes lie end to end.
+
+    >>> start_offsets([3, 1, 2]).tolist()
+    [0, 3, 4]
+    """
     return np.concatenate([[0], np.cumsum(numels[:-1])]).astype(np.int64)
 
 
@@ -193,7 +216,7 @@ def packed_l2_norms(grads: list[Tensor], offsets: np.ndarray) -> Tensor:
 
 def packed_squares(grads: list[Tensor], offsets: np.ndarray) -> np.ndarray:
     """float64 squared L2 norms of many small fp32 CPU tensors (see `packed_l2_norms`)."""
-    return np.add.reduceat(np.square(_flat(grads).numpy(), dtype=np.float64), offsets)
+    return np.add.reduceat(np.square(flatten(grads).numpy(), dtype=np.float64), offsets)
 
 
 def stat_rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) -> Tensor:
@@ -290,7 +313,7 @@ def exact_norms(grads: list[Tensor], ord: int) -> Tensor:
     >>> exact_norms([torch.full((4,), 1e-30), torch.tensor([float("inf"), 1.0])], 1)
     tensor([4.0000e-30,        inf], dtype=torch.float64)
     """
-    absolute = _flat(grads).to(torch.float64, copy=True).abs_()
+    absolute = flatten(grads).to(torch.float64, copy=True).abs_()
     lengths = torch.tensor([g.numel() for g in grads])
     if grads[0].dtype != torch.float64:  # their squares cannot leave fp64's normal range
         scale = torch.ones(len(grads), dtype=torch.float64)

@@ -92,7 +92,7 @@ class Stepper:
             if probes.origin is not None:
                 probes.origin.forget()
             return False
-        plan = self.judge.plan(step, micro_batches)
+        plan = self.judge.quiet_logged(step) or self.judge.plan(step, micro_batches)
         if plan is None:
             return False
         origin = self.collect.origin_of(plan, probes)

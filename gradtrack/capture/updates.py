@@ -19,6 +19,11 @@ percent; one that touches a few rows only, as SGD without momentum on an embeddi
 noisier). Memory: at most ``SAMPLE_SIZE`` elements per tensor, kept for the run; time: one norm
 pass over the weights and two strided copies per logged step.
 
+A small model on the CPU (`WholeUpdateProbe`, whichever of the two is asked for): its weights
+copied end to end before and after the step, and both norms computed exactly by the worker
+(`gradtrack.handoff.layout.FlatUpdate`) — two copies where the probes above take a dozen small
+reductions on the training thread.
+
 `Handover` (`gradtrack.capture.handover`) takes the "after" half once the optimizer stepped.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,7 +44,12 @@ from gradtrack.capture.stats import (
     copy_to_host,
     pack_offsets,
     packed_squares,
+    start_offsets,
 )
+from gradtrack.handoff.layout import FlatUpdate
+
+if TYPE_CHECKING:
+    from gradtrack.capture.collect import WholeCopies
 
 OnError = Callable[[int, Exception], None]
 
@@ -246,3 +257,29 @@ class SampledUpdateProbe:
                 torch._foreach_sub_(samples, sampled)
                 updates.append(weight_norms(samples, packed) * scales)
             return update_rows(self._param_norms, updates, self._index, self._inverse)
+
+
+class WholeUpdateProbe:
+    """`before` and `after` one optimizer step of a small model on the CPU
+    (`gradtrack.capture.collect.WholeCopies`):
+    its weights copied end to end each time (one C++ call), for the worker to reduce to the
+    rows the other probes make, exactly (`FlatUpdate.rows`). Memory: two copies of the
+    weights, held from a logged step until the worker took it."""
+
+    def __init__(self, params: Sequence[nn.Parameter], copies: WholeCopies) -> None:
+        self._params = list(params)
+        self._copies = copies  # (laid where the worker reads them)
+        self._numel = sum(p.numel() for p in self._params)
+        self._offsets = start_offsets([p.numel() for p in self._params])
+        self._before: Tensor | None = None
+
+    def before(self) -> None:
+        self._before = self._copy()
+
+    def after(self) -> FlatUpdate:
+        assert self._before is not None, "after() without before()"
+        return FlatUpdate(self._before, self._copy(), self._offsets)
+
+    def _copy(self) -> Tensor:
+        with torch.no_grad():
+            return self._copies.copy(self._params, self._numel)

@@ -31,12 +31,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradtrack.capture.collect import Collector, DevicePlan, Guard
+from gradtrack.capture.collect import Collector, DeviceGrads, DevicePlan, Guard
 from gradtrack.capture.flight_ring import FlightRecorder
 from gradtrack.capture.skip import Journal, Skip, SkipPolicy
 from gradtrack.capture.spike import LayerNorms, NormWindow, on_host
 from gradtrack.capture.stats import DeviceIndex, accumulation_dtype, packed_squares
-from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe
+from gradtrack.capture.updates import (
+    SampledUpdateProbe,
+    UpdateProbe,
+    WholeUpdateProbe,
+)
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradientAlertError, GradtrackError
@@ -103,6 +107,14 @@ _SUMS_BY_PRODUCT = 1 << 14
 SMALL_MODEL_TENSORS = 64
 
 
+class QuietLogged(NamedTuple):
+    """What a logged step judged in the short pass hands on: each tensor's plain norm, and
+    its spike vector (None without the spike rule)."""
+
+    tensor_norms: list[float]
+    spike: list[float] | None
+
+
 class QuietSteps:
     """The common step, in one short pass: one between logged steps, of a model whose
     gradients are dense on one CPU device, watched with no skip or raise rule. Its plain
@@ -122,6 +134,7 @@ class QuietSteps:
         flight: FlightRecorder | None,
     ) -> None:
         self._params = collector.params
+        self._whole = collector.whole
         self._layouts = collector.layouts
         self._tensor_layer = collector.index.tensor_layer
         self._columns = 1 if layer_norms is None else layer_norms.columns
@@ -134,16 +147,14 @@ class QuietSteps:
         self._layer_columns = np.zeros(0, dtype=np.int64)
         self._sums: np.ndarray | None = None  # [columns, tensors] 0/1, where small
         self._small: list[int] | None = None  # each tensor's column, for `_judge_values`
+        self._handed_whole = False  # a logged step's gradients go to the worker whole
 
     def __call__(self, step: int) -> bool:
-        grads: list[torch.Tensor] = [p.grad for p in self._params]  # type: ignore[misc]
-        plan = self._layouts.plan(grads)  # (None where one is absent: not the simple layout)
-        if plan is not self._plan and not self._learn(plan, grads):
+        grads = self._gradients()
+        if grads is None:
             return False
-        if self._present is not None:  # (frozen or absent gradients left out)
-            grads = [grads[i] for i in self._present]
         if self._small is not None:
-            return self._judge_values(step, grads, self._small)
+            return self._judge_values(step, grads, self._small) is not None
         if self._packed is not None:
             squares = packed_squares(grads, self._packed)
         else:
@@ -165,25 +176,75 @@ class QuietSteps:
             self._flight.record_host(step, norms)
         return True
 
-    def _judge_values(self, step: int, grads: list[torch.Tensor], columns: list[int]) -> bool:
+    def logged(self, step: int, per_layer: bool, judge_now: bool) -> StepPlan | None:
+        """The plan of logged step ``step`` of a small model whose gradients the worker
+        reduces from one copy (`gradtrack.capture.collect.WholeCopies`), judged in this pass
+        where it was healthy (then taken into the spike window and the flight recorder, as a
+        quiet step is). None leaves no trace, for `StepJudge.plan` to judge it in full."""
+        grads = self._gradients()
+        if grads is None or self._small is None or not self._handed_whole:
+            return None
+        assert self._plan is not None  # (learnt by `_gradients`)
+        plan = self._plan[0]
+        judged = self._judge_values(step, grads, self._small, logged=True)
+        if judged is None:
+            return None
+        l2 = torch.tensor(judged.tensor_norms, dtype=torch.float64)  # (the plain pass)
+        part = DeviceGrads(plan.device, False, plan.tensors, [(plan.slices[0], grads)], l2, True)
+        spike = None if judged.spike is None else torch.tensor(judged.spike, dtype=torch.float64)
+        return StepPlan(
+            step,
+            Guard([part], exact=True),  # (exact: the worker reduces the step's copy)
+            logged=True,
+            with_samples=False,
+            verdict=Verdict(True, False, None),
+            spike=spike,
+            error=None,
+            first_bad=False,
+            first_flagged=False,
+            per_layer=per_layer,
+            judge_now=judge_now,
+            skipped_steps=0,
+        )
+
+    def _gradients(self) -> list[torch.Tensor] | None:
+        """The step's present gradients, where their layout is the simple one this pass
+        serves (learnt as it first comes); None otherwise."""
+        grads: list[torch.Tensor] = [p.grad for p in self._params]  # type: ignore[misc]
+        plan = self._layouts.plan(grads)  # (None where one is absent: not the simple layout)
+        if plan is not self._plan and not self._learn(plan, grads):
+            return None
+        if self._present is not None:  # (frozen or absent gradients left out)
+            grads = [grads[i] for i in self._present]
+        return grads
+
+    def _judge_values(
+        self, step: int, grads: list[torch.Tensor], columns: list[int], logged: bool = False
+    ) -> QuietLogged | None:
         """`__call__` for a small model, its norms as Python floats: the same float64 squares
-        of the same fp32 norms, summed per layer, then the same tests and records."""
+        of the same fp32 norms, summed per layer, then the same tests and records. None: not
+        healthy, no trace left. ``logged``: the spike vector is taken too, as the window
+        stood before this step entered it (what `NormWindow.on_host` gives a record)."""
         plain = torch.stack(torch._foreach_norm(grads, 2, dtype=self._accumulate)).tolist()
         if self._columns == 1:
-            return math.isfinite(sum(norm * norm for norm in plain))
+            total = sum(norm * norm for norm in plain)
+            return QuietLogged(plain, None) if math.isfinite(total) else None
         squares = [0.0] * self._columns
         for norm, column in zip(plain, columns):
             squares[column] += norm * norm
         total = sum(squares)
         if not math.isfinite(total):  # (NaN, Inf, or an fp32 norm that overflowed)
-            return False
+            return None
         squares[0] = total
         norms = [math.sqrt(square) for square in squares]
-        if self._spikes is not None and not self._spikes.quiet_values(norms):
-            return False
+        spike = None
+        if self._spikes is not None:
+            spike = self._spikes.vector_values(norms) if logged else None
+            if not self._spikes.quiet_values(norms):
+                return None
         if self._flight is not None:
             self._flight.record_host(step, norms)
-        return True
+        return QuietLogged(plain, spike)
 
     def _learn(self, plan: list[DevicePlan], grads: list[torch.Tensor]) -> bool:
         """Whether ``plan`` (a new layout) is the simple one this pass serves; if so, its
@@ -194,6 +255,7 @@ class QuietSteps:
         if not group.simple:
             return False  # (a sparse, complex or empty gradient: `plan` judges)
         self._plan, self._packed = plan, group.offsets
+        self._handed_whole = self._whole.fits_plan(plan[0], foreach_only=False)
         every = len(group.indices) == len(self._params)
         self._present = None if every else list(group.indices)
         self._accumulate = accumulation_dtype(grads[group.indices[0]].dtype)
@@ -256,15 +318,32 @@ class StepJudge:
     def quiet(self, step: int) -> bool:
         """True: step ``step``, not due, was healthy and fully judged in the short pass
         (`QuietSteps`); False: `plan` judges it."""
-        quiet = self._quiet
-        if quiet is None or self.reads_host is False or self.collector.foreach_only:
-            return False
-        if self.latch is not None or self.schedule.any_due(step):
+        quiet = self._short_pass()
+        if quiet is None or self.schedule.any_due(step):
             return False
         try:
             return quiet(step)
         except Exception:  # judged in full instead, where a fault is reported
             return False
+
+    def quiet_logged(self, step: int) -> StepPlan | None:
+        """The plan of a logged (not sampled) step of a small CPU model, judged healthy in
+        the short pass and handed to the worker whole (`QuietSteps.logged`): what `plan`
+        makes of such a step, without its dozen numpy calls. None: `plan` judges it."""
+        quiet = self._short_pass()
+        logged, with_samples = self.schedule.due(step)
+        if quiet is None or not logged or with_samples:
+            return None
+        try:
+            return quiet.logged(step, self.schedule.per_layer(step), self.judge_due)
+        except Exception:  # judged in full instead, where a fault is reported
+            return None
+
+    def _short_pass(self) -> QuietSteps | None:
+        """The short pass, where steps may take it: verdicts read on the host, none latched."""
+        if self.reads_host is False or self.collector.foreach_only or self.latch is not None:
+            return None
+        return self._quiet
 
     def plan(self, step: int, micro_batches: list[int]) -> StepPlan | None:
         """Guard step ``step``, judge it, record it in the flight recorder and plan it; None
@@ -283,7 +362,8 @@ class StepJudge:
             else:
                 verdict = verdict._replace(skip=None)
         if self.signals.flight is not None:  # one copy on the device
-            self.signals.flight.record(step, self.layer_norms, self._on_error, self.holding())
+            holding = None if self.latch is None else self.latch.holding  # (a bad step before)
+            self.signals.flight.record(step, self.layer_norms, self._on_error, holding)
         bad = not verdict.finite
         first_bad = bad and self.schedule.first_bad(step)
         spiked = verdict.spiking and not bad and self.schedule.first_spike(step)
@@ -310,8 +390,13 @@ class StepJudge:
             plan.guard = self.guard(plan.step, exact=True) or plan.guard
 
     def evidence(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The step's spike vector and latch for its record."""
-        return self.spike_or_unknown(plan.guard, plan.spike), self.take_latch(plan.guard)
+        """The step's spike vector (NaN where its statistics failed) and latch, for its
+        record."""
+        device = plan.guard.devices[0].device
+        spike, spikes = plan.spike, self.signals.spikes
+        if spike is None and spikes is not None:  # (this step's statistics failed)
+            spike = torch.full((spikes.size,), math.nan, dtype=torch.float64, device=device)
+        return spike, None if self.latch is None else self.latch.take(device)
 
     def guard(self, step: int, exact: bool) -> Guard | None:
         """Each gradient's L2 norm, in one batched pass on its device (exact where the step
@@ -333,23 +418,6 @@ class StepJudge:
             self._latch(guard, step, spike)
             return UNKNOWN, spike
         return verdict, spike
-
-    def spike_or_unknown(self, guard: Guard, spike: torch.Tensor | None) -> torch.Tensor | None:
-        """The step's spike vector for its record: NaN where this step's statistics failed;
-        None without the spike rule."""
-        spikes = self.signals.spikes
-        if spikes is None or spike is not None:
-            return spike
-        device = guard.devices[0].device
-        return torch.full((spikes.size,), float("nan"), dtype=torch.float64, device=device)
-
-    def take_latch(self, guard: Guard) -> torch.Tensor | None:
-        return None if self.latch is None else self.latch.take(guard.devices[0].device)
-
-    def holding(self) -> torch.Tensor | None:
-        """On the device: whether a bad step was latched before the last judged one (the
-        flight recorder then holds its window); None where nothing is latched."""
-        return None if self.latch is None else self.latch.holding
 
     def read_latch(self) -> np.ndarray | None:
         """At the end of training: the bad step latched since the last logged step, if any."""
@@ -626,7 +694,8 @@ class Signals:
     journal: Journal | None = None  # the skipped steps, on disk
     layer_norms: LayerNorms | None = None  # every step's layer norms (for these three)
     flight: FlightRecorder | None = None  # the last steps' layer norms, on the device
-    updates: UpdateProbe | SampledUpdateProbe | None = None  # each logged step's ‖ΔW‖, ‖W‖
+    # each logged step's ‖ΔW‖, ‖W‖
+    updates: UpdateProbe | SampledUpdateProbe | WholeUpdateProbe | None = None
     # Why the default (sampled) update signals are off, said once when watching starts.
     missing: str | None = None
 
@@ -671,14 +740,20 @@ def build_signals(
     def packs() -> bool:  # (the CPU's packed passes, unless the accelerator's path is forced)
         return collector.foreach_only is not True
 
-    if exact:
-        signals.updates = UpdateProbe(collector.params, packs)
-    elif config.update_signals == "sampled":
+    if config.update_signals == "sampled":
         signals.missing = _sampled_missing(own_steps, collector.sharded_weights, scaled)
-        if signals.missing is None:
-            signals.updates = SampledUpdateProbe(
-                collector.params, seed=config.histograms.seed, packs=packs
-            )
+    if not config.update_signals or signals.missing is not None:
+        return signals
+    if collector.whole.fit(collector.params):
+        signals.updates = WholeUpdateProbe(
+            collector.params, collector.whole
+        )  # (exact, from two copies)
+    elif exact:
+        signals.updates = UpdateProbe(collector.params, packs)
+    else:
+        signals.updates = SampledUpdateProbe(
+            collector.params, seed=config.histograms.seed, packs=packs
+        )
     return signals
 
 

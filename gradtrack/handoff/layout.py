@@ -12,6 +12,7 @@ worker reads them back by name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -21,6 +22,10 @@ from torch import Tensor
 
 from gradtrack.formats.record import root_sum_squares
 
+_UNKNOWN = np.full(1, np.nan)  # (a field a step does not know: one NaN)
+
+# The output's scalars, which the worker may fill in from a small step's copy.
+_OUTPUT_SCALARS = ("output_finite", "output_grad_finite", "output_grad_norm")
 # The scalar fields, in the order they travel.
 SCALARS = (
     "output_finite",
@@ -30,6 +35,64 @@ SCALARS = (
     "amp_scale",
     "amp_scale_after",
 )
+
+
+@dataclass
+class KeptOutputs:
+    """A logged step's small CPU model output and the gradients that reached it, kept as they
+    are (`gradtrack.capture.probes.OutputProbe`): checked by the worker from the step's one
+    copy (`FlatGrads`) where the step is copied whole, else here by `StepEvidence` before it
+    is packed — the same checks either way."""
+
+    outputs: list[Tensor]
+    grads: list[Tensor]
+
+    def copied_whole(self) -> bool:
+        """Whether they can ride in a float32 copy of the gradients (`FlatGrads`)."""
+        return all(
+            t.dtype == torch.float32 and t.layout == torch.strided
+            for t in (*self.outputs, *self.grads)
+        )
+
+    def sizes(self) -> tuple[int, int, bool]:
+        """The elements of the outputs and of their gradients, and whether any gradient came."""
+        return (
+            sum(t.numel() for t in self.outputs),
+            sum(t.numel() for t in self.grads),
+            bool(self.grads),
+        )
+
+    def checked(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Here: the outputs all finite, their gradients all finite, and those gradients'
+        L2 norm (None: no gradient came), as tensors."""
+        with torch.no_grad():
+            finite = _all_finite(self.outputs)
+            if not self.grads:
+                return finite, None, None
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in self.grads]
+            norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+            return finite, _all_finite(self.grads), norm
+
+
+def _all_finite(tensors: list[Tensor]) -> Tensor:
+    flags = [torch.isfinite(t).all() for t in tensors]  # (one output: no stack)
+    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+
+
+def output_checks(
+    outputs: np.ndarray, grads: np.ndarray, grads_came: bool
+) -> tuple[float, float, float]:
+    """`KeptOutputs.checked` in numpy, on their values laid end to end: 1.0/0.0 flags and the
+    gradients' L2 norm (squares summed in fp64); NaN where no gradient came.
+
+    >>> output_checks(np.array([1.0, np.inf], np.float32), np.array([3.0, 4.0], np.float32), True)
+    (0.0, 1.0, 5.0)
+    """
+    finite = float(np.isfinite(outputs).all())
+    if not grads_came:
+        return finite, math.nan, math.nan
+    wide = grads.astype(np.float64)
+    return finite, float(np.isfinite(wide).all()), math.sqrt(float(np.dot(wide, wide)))
 
 
 @dataclass
@@ -46,7 +109,9 @@ class StepEvidence:
     the latched bad step (`gradtrack.capture.verdict`), the flight recorder's rows since the last
     hand-off (``flight``, `gradtrack.capture.flight_ring`) and, under gradient accumulation, each
     tensor's squared micro-batch gradients summed (``micro_squares``,
-    `gradtrack.capture.probes`).
+    `gradtrack.capture.probes`). ``kept_outputs``: a small CPU output not yet checked, which
+    the output scalars take in before the evidence is packed (where the step is not copied
+    whole with it).
     """
 
     output_finite: Tensor | None = None
@@ -62,15 +127,30 @@ class StepEvidence:
     latch: Tensor | None = None
     flight: Tensor | None = None
     micro_squares: Tensor | None = None
+    kept_outputs: KeptOutputs | None = None
 
     def pieces(self) -> list[tuple[str, Tensor | None]]:
         """(name, tensor) in travelling order; a name repeats for each activation norm."""
+        self.check_kept()
         pieces: list[tuple[str, Tensor | None]] = [(name, getattr(self, name)) for name in SCALARS]
         pieces += [("activation_norms", norm) for norm in self.activation_norms]
         for name in ("rank_norms", "rank_flags", "spike", "latch", "flight", "micro_squares"):
             if getattr(self, name) is not None:
                 pieces.append((name, getattr(self, name)))
         return pieces
+
+    def check_kept(self) -> None:
+        """The kept outputs checked here, and taken into the output scalars (before these
+        are read)."""
+        kept, self.kept_outputs = self.kept_outputs, None
+        if kept is None:
+            return
+        finite, grads_finite, norm = kept.checked()
+        self.output_finite = _and(self.output_finite, finite)
+        if grads_finite is not None and norm is not None:
+            self.output_grad_finite = _and(self.output_grad_finite, grads_finite)
+            previous = self.output_grad_norm
+            self.output_grad_norm = norm if previous is None else torch.hypot(previous, norm)
 
     def layout(self) -> EvidenceLayout:
         """Where each field lies in the packed vector (an unknown one takes one NaN)."""
@@ -88,14 +168,19 @@ class StepEvidence:
             ]
         )
 
-    def on_host(self) -> np.ndarray:
-        """The packed float64 vector read directly from CPU tensors."""
-        return np.concatenate(
-            [
-                np.full(1, np.nan) if t is None else t.numpy().reshape(-1).astype(np.float64)
-                for _, t in self.pieces()
-            ]
-        )
+    def on_host(self) -> tuple[EvidenceLayout, np.ndarray]:
+        """Its layout and the packed float64 vector, read directly from CPU tensors in one
+        pass (numpy's concatenation casts each piece to float64)."""
+        fields, values = [], []
+        for name, t in self.pieces():
+            value = _UNKNOWN if t is None else t.numpy().reshape(-1)
+            fields.append((name, len(value)))
+            values.append(value)
+        return EvidenceLayout(tuple(fields)), np.concatenate(values, dtype=np.float64)
+
+
+def _and(previous: Tensor | None, current: Tensor) -> Tensor:
+    return current if previous is None else torch.logical_and(previous, current)
 
 
 @dataclass
@@ -131,8 +216,8 @@ class HostEvidence:
 class EvidenceLayout:
     """Where each field of a packed `StepEvidence` lies: (name, length) in order.
 
-    >>> evidence = StepEvidence(torch.tensor(True), spike=torch.ones(3))
-    >>> evidence = evidence.layout().read(evidence.on_host())
+    >>> layout, values = StepEvidence(torch.tensor(True), spike=torch.ones(3)).on_host()
+    >>> evidence = layout.read(values)
     >>> evidence.scalar("output_finite"), evidence.scalar("amp_scale"), evidence.spike.tolist()
     (1.0, None, [1.0, 1.0, 1.0])
     """
@@ -142,6 +227,24 @@ class EvidenceLayout:
     @property
     def size(self) -> int:
         return sum(length for _, length in self.fields)
+
+    def add_outputs(self, values: np.ndarray, checks: tuple[float, float, float]) -> None:
+        """Take the worker's `output_checks` into packed ``values``, as `StepEvidence` would
+        have before packing: flags and'ed, norms combined, NaN (unknown) giving way."""
+        start = 0
+        for name, length in self.fields:
+            if name in _OUTPUT_SCALARS:
+                value = checks[_OUTPUT_SCALARS.index(name)]
+                held = values[start]
+                if math.isnan(value):
+                    pass
+                elif math.isnan(held):
+                    values[start] = value
+                elif name == "output_grad_norm":
+                    values[start] = math.hypot(held, value)
+                else:
+                    values[start] = float(bool(held) and bool(value))
+            start += length
 
     def read(self, values: np.ndarray) -> HostEvidence:
         pieces: dict[str, list[np.ndarray]] = {}
@@ -194,6 +297,92 @@ class TensorIndex:
         )
 
 
+def flat_stat_rows(values: np.ndarray, offsets: np.ndarray, full: bool) -> np.ndarray:
+    """A step's [tensors, 5] rows (L2, L1, max, NaN, Inf counts), as the training thread's
+    reductions give them (`gradtrack.capture.stats`), from CPU gradients laid end to end
+    (``values``, float32; ``offsets``: each tensor's first element, none empty), in numpy:
+    where the worker reduces a small step's gradients from their one copy (`FlatGrads`).
+    Squares and |g| are summed in fp64, which no fp32 value over- or underflows; NaN
+    anywhere makes a tensor's norms NaN, ±Inf without NaN Inf; L1 and max are NaN without
+    ``full``; NaN and Inf are counted where a norm is not finite.
+
+    >>> flat_stat_rows(np.array([3.0, -4.0, np.nan, np.inf], np.float32), np.array([0, 2]), True)
+    array([[ 5.,  7.,  4.,  0.,  0.],
+           [nan, nan, nan,  1.,  1.]])
+    """
+    rows = np.zeros((len(offsets), TENSOR_COLUMNS))
+    wide = values.astype(np.float64)
+    absolute = np.abs(wide, out=wide)
+    if full:
+        rows[:, L1] = np.add.reduceat(absolute, offsets)
+        rows[:, LINF] = np.maximum.reduceat(absolute, offsets)
+    else:
+        rows[:, L1 : LINF + 1] = math.nan
+    rows[:, L2] = np.sqrt(np.add.reduceat(np.square(absolute, out=absolute), offsets))
+    bad = np.flatnonzero(~np.isfinite(rows[:, L2]))
+    if len(bad):  # (a non-finite step: count per tensor)
+        nan = np.isnan(values)
+        rows[bad, NAN] = np.add.reduceat(nan, offsets)[bad]
+        rows[bad, INF] = np.add.reduceat(np.isinf(values), offsets)[bad]
+    return rows
+
+
+@dataclass
+class FlatGrads:
+    """A small CPU step's gradients, copied end to end (float32), for the worker to reduce:
+    its statistics then cost the training thread one copy instead of a dozen reductions
+    (`gradtrack.capture.collect.DEFER_BELOW_ELEMENTS`). ``offsets``: each tensor's first
+    element; ``full``: L1 and max are asked for too. ``outputs``: the step's kept model
+    output and its gradients ride after the gradients (`KeptOutputs.sizes`), checked here."""
+
+    values: Tensor
+    offsets: np.ndarray
+    full: bool
+    outputs: tuple[int, int, bool] | None = None
+
+    def reduce(self) -> tuple[np.ndarray, tuple[float, float, float] | None]:
+        """The step's rows, and the output's `output_checks` where it rode along."""
+        values = self.values.numpy()
+        if self.outputs is None:
+            return flat_stat_rows(values, self.offsets, self.full), None
+        n_out, n_grads, came = self.outputs
+        end = len(values) - n_out - n_grads
+        rows = flat_stat_rows(values[:end], self.offsets, self.full)
+        return rows, output_checks(values[end : end + n_out], values[end + n_out :], came)
+
+
+@dataclass
+class FlatUpdate:
+    """A small CPU model's weights copied end to end (float32) just before and just after
+    one optimizer step (`gradtrack.capture.updates.WholeUpdateProbe`), for the worker to
+    reduce: two copies on the training thread instead of a dozen reductions. ``offsets``:
+    each tensor's first element."""
+
+    before: Tensor
+    after: Tensor
+    offsets: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.before.nbytes + self.after.nbytes
+
+    def rows(self) -> np.ndarray:
+        """Per tensor, (‖W‖ before the step, ‖W after − W before‖), float64 ``[tensors, 2]``,
+        both exact (squares summed in fp64).
+
+        >>> update = FlatUpdate(torch.tensor([3.0, 4.0, 1.0]), torch.tensor([3.0, 4.5, 0.0]),
+        ...                     np.array([0, 2]))
+        >>> update.rows().tolist()
+        [[5.0, 0.5], [1.0, 1.0]]
+        """
+        before = self.before.numpy().astype(np.float64)
+        delta = self.after.numpy() - before
+        rows = np.empty((len(self.offsets), 2))
+        rows[:, 0] = np.add.reduceat(np.square(before, out=before), self.offsets)
+        rows[:, 1] = np.add.reduceat(np.square(delta, out=delta), self.offsets)
+        return np.sqrt(rows, out=rows)
+
+
 @dataclass
 class HostPart:
     """What one device hands to the worker for one step.
@@ -202,25 +391,33 @@ class HostPart:
     statistics and the packed step evidence (float64, laid out as ``evidence_layout`` says)
     reinterpreted as float32, then the float32 gradient samples; ``ready`` is set once the
     copy has completed. On the CPU nothing needs copying: ``buffer`` is the float64 rows
-    themselves, ``cpu_evidence`` the evidence and ``cpu_samples`` the samples. Only a
-    device's first part carries the step's evidence.
+    themselves, or, for a small step, ``flat`` the gradients the worker reduces (their rows
+    computed once, when first read); ``cpu_evidence`` the evidence and ``cpu_samples`` the
+    samples. Only a device's first part carries the step's evidence.
     """
 
     tensor_index: np.ndarray
     sample_counts: np.ndarray | None
-    buffer: Tensor
+    buffer: Tensor | None
     ready: torch.cuda.Event | None = None
     evidence_layout: EvidenceLayout = field(default_factory=EvidenceLayout)
     cpu_evidence: np.ndarray | None = None
     cpu_samples: Tensor | None = None
+    flat: FlatGrads | None = None
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
 
     @property
+    def nbytes(self) -> int:
+        """The memory the part holds (its copy, rows, gradients and samples)."""
+        held = [self.buffer, self.cpu_samples, None if self.flat is None else self.flat.values]
+        return sum(tensor.nbytes for tensor in held if tensor is not None)
+
+    @property
     def _copied(self) -> bool:
-        return self.buffer.dtype == torch.float32
+        return self.buffer is not None and self.buffer.dtype == torch.float32
 
     @property
     def _float64_words(self) -> int:
@@ -228,16 +425,31 @@ class HostPart:
         return (len(self.tensor_index) * TENSOR_COLUMNS + self.evidence_layout.size) * 2
 
     def _float64(self) -> np.ndarray:
+        assert self.buffer is not None  # (`_copied`)
         return self.buffer.numpy()[: self._float64_words].view(np.float64)
+
+    def _reduce_flat(self) -> None:
+        """A small step's copy reduced, once: its rows, and its output's checks taken into
+        its evidence."""
+        if self.flat is None:
+            return
+        rows, checks = self.flat.reduce()
+        self.buffer = torch.from_numpy(rows)
+        self.flat = None  # (the gradients' copy is no longer needed)
+        if checks is not None and self.cpu_evidence is not None:
+            self.evidence_layout.add_outputs(self.cpu_evidence, checks)
 
     def stats(self) -> np.ndarray:
         rows = len(self.tensor_index)
+        self._reduce_flat()
+        assert self.buffer is not None  # (its rows, or its copy)
         if not self._copied:
             return self.buffer.numpy()
         return self._float64()[: rows * TENSOR_COLUMNS].reshape(rows, TENSOR_COLUMNS)
 
     def evidence(self) -> HostEvidence:
         """The step's evidence, by name (all empty in a part that carries none)."""
+        self._reduce_flat()
         if not self._copied:
             values = self.cpu_evidence if self.cpu_evidence is not None else np.zeros(0)
         else:
@@ -247,6 +459,7 @@ class HostPart:
     def samples(self) -> np.ndarray:
         if not self._copied:
             return np.zeros(0, np.float32) if self.cpu_samples is None else self.cpu_samples.numpy()
+        assert self.buffer is not None  # (`_copied`)
         return self.buffer.numpy()[self._float64_words :]
 
 

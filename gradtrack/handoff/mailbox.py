@@ -20,11 +20,12 @@ from torch import Tensor
 
 from gradtrack.config import DeliveryOptions
 from gradtrack.formats.event import AlertEvent
-from gradtrack.handoff.layout import HostPart
+from gradtrack.handoff.layout import FlatUpdate, HostPart
 from gradtrack.lifecycle import Outcome
 
-# `UpdateProbe.after`'s per-tensor rows on the host, and their copy's event.
-UpdateRows = tuple[Tensor, torch.cuda.Event | None]
+# `UpdateProbe.after`'s per-tensor rows on the host, and their copy's event; or a small CPU
+# model's weights around the step, for the worker to reduce (`FlatUpdate`).
+UpdateRows = tuple[Tensor, torch.cuda.Event | None] | FlatUpdate
 
 
 @dataclass
@@ -40,7 +41,7 @@ class PendingStep:
     per_layer: bool = True
     # A non-finite step: `StepRecord` fields from `gradtrack.capture.origin` (where it was made).
     origin: dict[str, Any] | None = None
-    # With ``update_signals``: `UpdateProbe.after`'s rows on the host, and their copy's event.
+    # With ``update_signals``: the update its optimizer step applied (`UpdateRows`).
     update: UpdateRows | None = None
     # The rule whose action "skip" left this step's optimizer step out; skips so far.
     skipped_by: str | None = None
@@ -134,11 +135,11 @@ QueuedItem = QueuedStep | Control
 def _nbytes(item: QueuedStep) -> int:
     """Memory a queued step holds (its host copies and samples; an update's rows)."""
     if isinstance(item, UpdateFollowUp):
-        return 0 if item.update is None else item.update[0].nbytes
-    return sum(
-        part.buffer.nbytes + (0 if part.cpu_samples is None else part.cpu_samples.nbytes)
-        for part in item.parts
-    )
+        update = item.update
+        if update is None:
+            return 0
+        return update.nbytes if isinstance(update, FlatUpdate) else update[0].nbytes
+    return sum(part.nbytes for part in item.parts)
 
 
 class Mailbox:

@@ -26,6 +26,7 @@ from gradtrack.handoff.layout import (
     LINF,
     TENSOR_COLUMNS,
     FirstInWindow,
+    FlatUpdate,
     HostEvidence,
     HostPart,
     MeshPlaces,
@@ -321,12 +322,16 @@ class RecordBuilder:
             return {}
 
         def norms() -> dict[str, Any]:
-            buffer, ready = update
-            if ready is not None:
-                ready.synchronize()
-            params, updates = self._index.layer_update_norms(buffer.numpy())
-            rows = [self._layer_position[name] for name in layers]
-            return {"param_norms": params[rows], "update_norms": updates[rows]}
+            if isinstance(update, FlatUpdate):
+                rows = update.rows()
+            else:
+                buffer, ready = update
+                if ready is not None:
+                    ready.synchronize()
+                rows = buffer.numpy()
+            params, updates = self._index.layer_update_norms(rows)
+            order = [self._layer_position[name] for name in layers]
+            return {"param_norms": params[order], "update_norms": updates[order]}
 
         return self.part("update signals", norms, _NONE)
 

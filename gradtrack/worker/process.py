@@ -56,6 +56,7 @@ from gradtrack.delivery.courier import (
     yield_cpu_to_training,
 )
 from gradtrack.formats.event import AlertEvent
+from gradtrack.handoff.layout import FlatUpdate
 from gradtrack.handoff.mailbox import (
     Control,
     DropCount,
@@ -65,6 +66,7 @@ from gradtrack.handoff.mailbox import (
     Reply,
     UpdateFollowUp,
 )
+from gradtrack.handoff.shared import SharedCopies, attach, shared_copy
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import logger, report
 from gradtrack.sinks.base import GradientSink, as_sink_base
@@ -140,7 +142,9 @@ class WorkerProcess:
         self._stopping = False
         self._gone = threading.Event()  # the child exited (its end of the pipe closed)
         setup = _Setup(plan, [as_sink_base(sink).recipe() or {} for sink in self._sinks])
-        self._process, self._to_child, self._from_child = _spawn()
+        # Where the training thread lays a small step's copies, read by the child in place.
+        self.shared = SharedCopies.create()
+        self._process, self._to_child, self._from_child = _spawn(self.shared)
         self._feeder = threading.Thread(
             target=self._feed, args=(setup,), name="gradtrack-feed", daemon=True
         )
@@ -255,7 +259,8 @@ class WorkerProcess:
                 sending = sum(isinstance(item, PendingStep) for item in items)
                 steps = [self._outgoing(item) for item in items if not isinstance(item, Control)]
                 if steps:
-                    self._to_child.send_bytes(_dumps(("steps", steps, self._mailbox.dropped)))
+                    message = ("steps", steps, self._mailbox.dropped)
+                    self._to_child.send_bytes(_dumps(message, self.shared))
                     self._sent += sending
                     sending = 0
                 if items and isinstance(items[-1], Control):
@@ -274,17 +279,10 @@ class WorkerProcess:
             self._process.terminate()
 
     def _outgoing(self, item: QueuedStep) -> tuple[int | None, QueuedStep]:
-        """A step as it crosses: its host copies complete, its reply kept here (by id)."""
+        """A step as it crosses (`_host_rows`), its reply kept here (by id)."""
+        _host_rows(item, self.shared)
         if isinstance(item, UpdateFollowUp):
-            if item.update is not None:
-                rows, ready = item.update
-                if ready is not None:
-                    ready.synchronize()
-                item.update = (rows, None)
             return None, item
-        for part in item.parts:
-            part.wait()
-            part.ready = None
         reply, item.reply = item.reply, None
         if reply is None:
             return None, item
@@ -395,11 +393,40 @@ def _spool_before_leaving(worker: WorkerProcess, timeout_s: float) -> None:
             return
 
 
-def _spawn() -> tuple[subprocess.Popen[bytes], Connection, Connection]:
+def _host_rows(item: QueuedStep, shared: SharedCopies | None) -> None:
+    """A step made ready to cross: its host copies complete (no event left to wait on), and
+    a small step's copies of its gradients and weights reduced to their rows — a few hundred
+    bytes where the copies are tens of KiB: at thousands of steps a second the pickling and
+    the pipe would fall behind the loop, and a killed trainer lose more than its last second
+    — unless they lie in the memory both processes share (``shared``), where the child
+    reduces them."""
+
+    def apart(tensor: torch.Tensor) -> bool:
+        return shared is None or not shared.holds(tensor)
+
+    update = item.update
+    if isinstance(update, FlatUpdate):
+        if apart(update.before) or apart(update.after):
+            item.update = torch.from_numpy(update.rows()), None
+    elif update is not None:
+        rows, ready = update
+        if ready is not None:
+            ready.synchronize()
+        item.update = rows, None
+    for part in item.parts if isinstance(item, PendingStep) else []:
+        part.wait()
+        part.ready = None
+        if part.flat is not None and apart(part.flat.values):
+            part.stats()
+
+
+def _spawn(shared: SharedCopies | None) -> tuple[subprocess.Popen[bytes], Connection, Connection]:
     """Start the child with two pipes of its own (not its stdin or stdout, which stay the
-    terminal's: a tracker's SDK may print)."""
+    terminal's: a tracker's SDK may print), and the shared copies' file."""
     to_child_read, to_child = os.pipe()
     from_child, from_child_write = os.pipe()
+    copies = () if shared is None else (shared.fd,)
+    told = ["-", "0"] if shared is None else [str(shared.fd), str(shared.size)]
     env = {**os.environ, _PATH_VARIABLE: json.dumps(sys.path)}
     code = (
         f"import json, os, sys; sys.path[:] = json.loads(os.environ.pop({_PATH_VARIABLE!r})); "
@@ -407,8 +434,8 @@ def _spawn() -> tuple[subprocess.Popen[bytes], Connection, Connection]:
     )
     try:
         process = subprocess.Popen(
-            [sys.executable, "-c", code, str(to_child_read), str(from_child_write)],
-            pass_fds=(to_child_read, from_child_write),
+            [sys.executable, "-c", code, str(to_child_read), str(from_child_write), *told],
+            pass_fds=(to_child_read, from_child_write, *copies),
             stdin=subprocess.DEVNULL,
             env=env,
         )
@@ -417,8 +444,8 @@ def _spawn() -> tuple[subprocess.Popen[bytes], Connection, Connection]:
             os.close(fd)
         raise
     finally:
-        os.close(to_child_read)
-        os.close(from_child_write)
+        for fd in (to_child_read, from_child_write, *copies):  # (the mapping stays)
+            os.close(fd)
     return process, Connection(to_child, readable=False), Connection(from_child, writable=False)
 
 
@@ -433,10 +460,20 @@ def _tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
 _DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor}
 
 
-def _dumps(message: object) -> bytes:
+def _dumps(message: object, shared: SharedCopies | None = None) -> bytes:
+    """``message`` pickled, its tensors as numpy arrays, or, where they lie in ``shared``,
+    as where they lie (`shared_copy`)."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = _DISPATCH
+    if shared is None:
+        pickler.dispatch_table = _DISPATCH
+    else:
+
+        def tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
+            place = shared.crossing(tensor)
+            return _tensor(tensor) if place is None else (shared_copy, place)
+
+        pickler.dispatch_table = {**_DISPATCH, torch.Tensor: tensor}
     pickler.dump(message)
     return buffer.getvalue()
 
@@ -487,10 +524,12 @@ class _LogUp(logging.Handler):
 
 def main(argv: Sequence[str]) -> None:
     """The worker process: ``argv`` holds the two pipes' file descriptors (from, to the
-    training process)."""
+    training process), and the shared copies' file and size (``-`` without)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     yield_cpu_to_training()  # (before any thread starts: each inherits it)
     torch.set_num_threads(1)  # the cores are training's
+    if argv[2] != "-":
+        attach(int(argv[2]), int(argv[3]))
     inbox = Connection(int(argv[0]), writable=False)
     up = _Up(Connection(int(argv[1]), readable=False))
     logger.addHandler(_LogUp(up))

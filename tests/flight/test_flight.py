@@ -52,6 +52,24 @@ def steps_of(rows: torch.Tensor | None, n_layers: int) -> list[int]:
     return rows.reshape(-1, 1 + n_layers)[:, 0].long().tolist()
 
 
+def test_rows_kept_on_the_host_and_written_in_keep_their_order_past_the_capacity() -> None:
+    """A CPU model's quiet steps keep their rows in a list until the ring is read or full;
+    read with rows written directly between them, the ring holds the last steps in order."""
+    recorder = FlightRecorder(capacity=4, n_layers=1)
+    taken: list[int] = []
+    for step in range(23):
+        if step % 5 == 0:  # (a logged step: written directly)
+            recorder.record(step, torch.tensor([9.0, step], dtype=torch.float64))
+        else:
+            recorder.record_host(step, [9.0, float(step)])
+        if step in (3, 9, 13, 14, 18):  # (14: read while only kept rows are new)
+            rows = recorder.take()
+            assert rows is not None and rows.reshape(-1, 2)[:, 1].tolist() == steps_of(rows, 1)
+            taken += steps_of(rows, 1)
+    taken += steps_of(recorder.take(), 1)
+    assert taken == [0, 1, 2, 3, *range(6, 23)]
+
+
 def test_the_ring_keeps_the_last_k_steps_and_hands_each_on_once() -> None:
     recorder = FlightRecorder(capacity=5, n_layers=3)
     assert recorder.nbytes == 5 * 4 * 8

@@ -43,6 +43,13 @@ def stored(uri: str, run_id: str) -> list[int]:
     return sorted(m.step for m in history)
 
 
+def finished_before(progress: Path, moment: float) -> list[int]:
+    """The steps the child reported finished (``step time`` lines) before ``moment``."""
+    lines = progress.read_text().splitlines() if progress.exists() else []
+    done = [line.split() for line in lines if line.count(" ") == 1]
+    return [int(step) for step, at in done if float(at) < moment]
+
+
 @pytest.mark.slow
 def test_6000_steps_at_log_every_1_into_a_cold_sqlite_file_are_all_stored_at_close(
     tmp_path: Path,
@@ -75,8 +82,9 @@ def test_a_trainer_killed_mid_run_loses_at_most_its_last_second_and_sync_deliver
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and process.poll() is None:
-            lines = progress.read_text().splitlines() if progress.exists() else []
-            if len(lines) >= 4000:
+            # kill once 3,000 steps finished more than 1.5 s ago: a fast loop runs
+            # thousands of steps in the second the kill may take from them
+            if len(finished_before(progress, time.time() - 1.5)) >= 3000:
                 break
             time.sleep(0.2)
         killed_at = time.time()
@@ -84,8 +92,8 @@ def test_a_trainer_killed_mid_run_loses_at_most_its_last_second_and_sync_deliver
     finally:
         process.kill()
         process.communicate()
-    done = [line.split() for line in progress.read_text().splitlines() if line.count(" ") == 1]
-    finished = [int(step) for step, at in done if float(at) < killed_at - 1.0]
+    done = finished_before(progress, float("inf"))
+    finished = finished_before(progress, killed_at - 1.0)
     assert len(finished) >= 3000, f"only {len(finished)} steps before the kill"
     env = {"GRADTRACK_SPOOL_DIR": str(spools), "PYTHONPATH": str(REPO), "PATH": ""}
     synced = subprocess.run(

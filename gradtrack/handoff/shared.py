@@ -1,0 +1,146 @@
+"""Memory the training process and its worker process share: where the training thread copies
+a small CPU step's gradients and weights (`gradtrack.capture.collect.WholeCopies`), and where
+the worker process reads them in place.
+
+Without it those copies are reduced to their rows by the training process's feed thread before
+they cross the pipe (tens of KiB a step through the pipe fell behind a fast loop): numpy work
+whose Python takes the GIL the training thread needs at every op — at every step logged, more
+than the training thread's own part of a logged step. Here a copy crosses as three numbers,
+and the worker process reduces it.
+
+An anonymous file (``memfd``) both processes map: one flag per copy in use at its head (set
+when a copy is laid, cleared by the worker process once it let the copy go, or here where a
+copy never crossed: a step dropped from a full queue), then the copies, laid in turn as in a
+ring. Full (the worker process lags by more than the ring holds) or absent (not Linux), a copy
+is an ordinary tensor, and the feed thread reduces it as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from collections import deque
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_FLAGS = 4096  # copies in use at most (the flags at the file's head)
+_ALIGN = 64
+
+
+class SharedCopies:
+    """The ring of copies, as the training process lays them (`empty`) and hands them on
+    (`crossing`), or as the worker process reads them (`view`, see `attach`)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self._map = mmap.mmap(fd, _FLAGS + size)
+        self._flags = np.frombuffer(self._map, dtype=np.uint8, count=_FLAGS)
+        self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_FLAGS, count=size)
+        self._base = self._data.data_ptr()
+        self._head = 0  # bytes laid so far; the next copy starts at ``_head % size``
+        self._tail = 0  # ... of which free again
+        self._held: deque[tuple[int, int]] = deque()  # (flag, its copy's end), oldest first
+        self._laid = 0  # copies laid so far (a copy's flag: its number modulo `_FLAGS`)
+        self._where: dict[int, int] = {}  # a copy's address → its flag, until it crosses
+        self._unsent: set[int] = set()  # flags of copies laid that have not crossed
+        # Flags change only in the process that mapped the ring: a process forked from it
+        # (a DataLoader worker) that collects an object it inherited must not free its room.
+        self._pid = os.getpid()
+
+    @classmethod
+    def create(cls, size: int = 16 << 20) -> SharedCopies | None:
+        """The training process's ring of ``size`` bytes, its pages touched now (a page
+        first written inside a step costs it a fault: ~20 a logged step of a small model,
+        tens of µs); None where this system has no anonymous shared file."""
+        try:
+            fd = os.memfd_create("gradtrack-copies")
+            os.ftruncate(fd, _FLAGS + size)
+        except (AttributeError, OSError):
+            return None
+        shared = cls(fd, size)
+        shared._data.zero_()
+        return shared
+
+    # -- the training process -------------------------------------------------------------
+    def empty(self, numel: int) -> Tensor | None:
+        """A float32 tensor of ``numel`` elements laid in the ring, to copy into; None where
+        the ring has no room for it."""
+        nbytes = -(-numel * 4 // _ALIGN) * _ALIGN
+        if nbytes > self.size // 4:
+            return None
+        self._reclaim()
+        start = self._head % self.size
+        skip = self.size - start if start + nbytes > self.size else 0  # (past the end: at 0)
+        if self._head + skip + nbytes - self._tail > self.size or len(self._held) == _FLAGS:
+            return None
+        self._head += skip
+        start = self._head % self.size
+        self._head += nbytes
+        flag = self._laid % _FLAGS
+        self._laid += 1
+        self._flags[flag] = 1
+        self._held.append((flag, self._head))
+        copy = self._data[start : start + numel * 4].view(torch.float32)
+        self._where[copy.data_ptr()] = flag
+        self._unsent.add(flag)
+        weakref.finalize(copy, self._dropped, flag, copy.data_ptr())
+        return copy
+
+    def holds(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` lies in the ring (the worker process reads it in place)."""
+        return self._base <= tensor.data_ptr() < self._base + self.size
+
+    def crossing(self, tensor: Tensor) -> tuple[int, int, int] | None:
+        """How ``tensor``, a copy laid here, crosses to the worker process: its offset, its
+        elements and its flag (the worker process clears the flag); None if it is not one."""
+        flag = self._where.pop(tensor.data_ptr(), None) if self.holds(tensor) else None
+        if flag is None:
+            return None
+        self._unsent.discard(flag)
+        return tensor.data_ptr() - self._base, tensor.numel(), flag
+
+    def _dropped(self, flag: int, address: int) -> None:
+        """A copy let go here: where it never crossed, its room is free again."""
+        if os.getpid() != self._pid:
+            return
+        if self._where.get(address) == flag:  # (first: the room may be laid again after)
+            del self._where[address]
+        if flag in self._unsent:
+            self._unsent.discard(flag)
+            self._flags[flag] = 0
+
+    def _reclaim(self) -> None:
+        """Free the room of the oldest copies the worker process (or this one) let go."""
+        held, flags = self._held, self._flags
+        while held and not flags[held[0][0]]:
+            self._tail = held.popleft()[1]
+
+    # -- the worker process ---------------------------------------------------------------
+    def view(self, offset: int, numel: int, flag: int) -> Tensor:
+        """The copy at ``offset``, read in place; its flag cleared once it is let go."""
+        copy = torch.frombuffer(self._map, dtype=torch.float32, count=numel, offset=_FLAGS + offset)
+        weakref.finalize(copy, self._let_go, flag)
+        return copy
+
+    def _let_go(self, flag: int) -> None:
+        if os.getpid() == self._pid:
+            self._flags[flag] = 0
+
+
+# The worker process's ring, once `attach`ed (`shared_copy` reads from it).
+_attached: SharedCopies | None = None
+
+
+def attach(fd: int, size: int) -> None:
+    """In the worker process: map the ring the training process passed it."""
+    global _attached
+    _attached = SharedCopies(fd, size)
+
+
+def shared_copy(offset: int, numel: int, flag: int) -> Tensor:
+    """A copy as it arrives in the worker process (what `SharedCopies.crossing` pickles to)."""
+    assert _attached is not None, "a shared copy reached a process without the ring"
+    return _attached.view(offset, numel, flag)
