@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -323,3 +324,39 @@ def test_the_gradients_a_step_hands_the_worker_count_against_the_queues_bytes() 
     assert mailbox.dropped == 1
     assert [item.step for item in mailbox.take(10, 0.0)] == [1]  # type: ignore[union-attr]
     assert len(mailbox) == 0
+
+
+def test_the_mailbox_counts_what_ends_a_gathering_behind_a_backlog() -> None:
+    """Behind thousands of waiting steps, a take that gathers still returns at once for a step
+    whose verdict the training thread waits for, or a control message; once that step is
+    taken or dropped, gathering waits again (the counts come and go with the items)."""
+    from gradtrack.handoff.mailbox import Control, Reply
+
+    mailbox = Mailbox(5000, "drop_oldest")
+    for n in range(4000):
+        mailbox.put_step(PendingStep(n, 0.0, []))
+    waiting = PendingStep(4000, 0.0, [], reply=Reply())
+    mailbox.put_step(waiting)
+    start = time.monotonic()
+    taken = mailbox.take(10_000, gather_s=5.0)  # (a reply waits: no gathering)
+    assert time.monotonic() - start < 2.5 and len(taken) == 4001
+    mailbox.put_step(PendingStep(4001, 0.0, []))
+    start = time.monotonic()
+    assert len(mailbox.take(10, gather_s=0.3)) == 1  # (no reply left: it gathered)
+    assert time.monotonic() - start >= 0.25
+
+    small = Mailbox(2, "drop_oldest")
+    small.put_step(PendingStep(0, 0.0, [], reply=Reply()))
+    small.put_step(PendingStep(1, 0.0, []))
+    small.put_step(PendingStep(2, 0.0, []))  # drops step 0, the one with a reply
+    start = time.monotonic()
+    assert [i.step for i in small.take(10, gather_s=0.3)] == [1, 2]  # type: ignore[union-attr]
+    assert time.monotonic() - start >= 0.25
+
+    small.put_step(PendingStep(3, 0.0, []))
+    small.put_control(Control("flush"))
+    start = time.monotonic()
+    assert len(small.take(10, gather_s=5.0)) == 2 and time.monotonic() - start < 2.5
+    small.put_step(PendingStep(4, 0.0, []))
+    start = time.monotonic()
+    assert len(small.take(10, gather_s=0.3)) == 1 and time.monotonic() - start >= 0.25

@@ -142,6 +142,11 @@ def _nbytes(item: QueuedStep) -> int:
     return sum(part.nbytes for part in item.parts)
 
 
+def _waits(item: QueuedItem) -> bool:
+    """Whether ``item`` is a step whose verdict the training thread waits for."""
+    return isinstance(item, PendingStep) and item.reply is not None
+
+
 class Mailbox:
     """A queue of steps bounded in count and in bytes; control messages (flush, stop) never
     count against the bounds."""
@@ -162,7 +167,11 @@ class Mailbox:
         self._steps = 0
         self._bytes = 0
         self._closed = False
-        self._urgent = False  # a step waits for the worker's answer: no gathering
+        # Counted as they come and go, not found by a scan: a worker behind the loop holds
+        # thousands of steps, and a scan at every take made catching up cost more the
+        # further behind it was.
+        self._replies = 0  # steps waiting for the worker's answer: no gathering
+        self._controls = 0  # control messages waiting
         # What the taker waits for: None (not waiting), 0 (anything), or a batch of that many
         # steps. A step put wakes it only where it would act: waking a thread to find it must
         # wait on costs the training thread the GIL at every logged step.
@@ -184,7 +193,9 @@ class Mailbox:
                 return
             while self._steps and self._full(size):
                 oldest = next(i for i, x in enumerate(self._items) if not isinstance(x, Control))
-                self._bytes -= _nbytes(self._items[oldest])  # type: ignore[arg-type]
+                dropped = self._items[oldest]
+                self._bytes -= _nbytes(dropped)  # type: ignore[arg-type]
+                self._replies -= _waits(dropped)
                 del self._items[oldest]
                 self._steps -= 1
                 self._drop(
@@ -195,9 +206,9 @@ class Mailbox:
             self._items.append(item)
             self._steps += 1
             self._bytes += size
-            self._urgent |= isinstance(item, PendingStep) and item.reply is not None
+            self._replies += _waits(item)
             taker = self._taker  # (a control message wakes it whenever it is put)
-            if taker is not None and (taker == 0 or self._urgent or self._steps >= taker):
+            if taker is not None and (taker == 0 or self._replies or self._steps >= taker):
                 self._changed.notify_all()
 
     def _full(self, adding_bytes: int) -> bool:
@@ -213,7 +224,7 @@ class Mailbox:
         with self._changed:
             self._closed = True
             self._items.clear()
-            self._steps = self._bytes = 0
+            self._steps = self._bytes = self._replies = self._controls = 0
             self._changed.notify_all()
 
     @property
@@ -228,6 +239,7 @@ class Mailbox:
     def put_control(self, item: Control) -> None:
         with self._changed:
             self._items.append(item)
+            self._controls += 1
             self._changed.notify_all()
 
     def take(self, max_steps: int, gather_s: float = 0.0) -> list[QueuedItem]:
@@ -252,17 +264,14 @@ class Mailbox:
                 item = self._items.popleft()
                 taken.append(item)
                 if isinstance(item, Control):
+                    self._controls -= 1
                     break
                 self._steps -= 1
                 self.taken += isinstance(item, PendingStep)
                 self._bytes -= _nbytes(item)
-            self._urgent = any(isinstance(i, PendingStep) and i.reply for i in self._items)
+                self._replies -= _waits(item)
             self._changed.notify_all()
             return taken
 
     def _ready(self, max_steps: int) -> bool:
-        return (
-            self._urgent
-            or self._steps >= max_steps
-            or any(isinstance(i, Control) for i in self._items)
-        )
+        return bool(self._replies or self._controls) or self._steps >= max_steps
