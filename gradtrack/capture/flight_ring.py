@@ -132,8 +132,13 @@ class FlightRecorder:
         self._handed = self._written
         if 0 < count <= len(self._waiting):  # (all kept by `record_host`: read, never again)
             waiting, self._waiting = self._waiting[-count:], []
+            if count == 1:  # (a step logged at every step: one row)
+                step, norms = waiting[0]
+                row = np.array(norms, dtype=np.float64)
+                row[0] = step  # (the total's place)
+                return torch.from_numpy(row)
             kept = np.array([norms for _, norms in waiting], dtype=np.float64)
-            kept[:, 0] = [step for step, _ in waiting]  # (the total's place)
+            kept[:, 0] = [step for step, _ in waiting]
             return torch.from_numpy(kept.reshape(-1))
         self._settle()
         if count == 0 or self._ring is None:

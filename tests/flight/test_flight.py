@@ -69,6 +69,14 @@ def test_rows_kept_on_the_host_and_written_in_keep_their_order_past_the_capacity
     taken += steps_of(recorder.take(), 1)
     assert taken == [0, 1, 2, 3, *range(6, 23)]
 
+    for step in (23, 24):  # read after each (a step logged at every step): one row each
+        norms = [9.0, float(step) + 0.5]
+        recorder.record_host(step, norms)
+        rows = recorder.take()
+        assert rows is not None and rows.tolist() == [step, step + 0.5]
+        assert norms == [9.0, step + 0.5]  # (the caller's norms untouched)
+    assert recorder.take() is None
+
 
 def test_the_ring_keeps_the_last_k_steps_and_hands_each_on_once() -> None:
     recorder = FlightRecorder(capacity=5, n_layers=3)
