@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from gradtrack.config import GradtrackConfig
@@ -450,14 +451,37 @@ def _spawn(shared: SharedCopies | None) -> tuple[subprocess.Popen[bytes], Connec
 
 
 def _tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """A host tensor as its numpy array: ten times quicker to pickle than torch's own way."""
+    """A host tensor as its bytes, dtype and shape (`_array`): twenty times quicker to pickle
+    than torch's own way, twice as quick as its numpy array."""
     try:
-        return torch.from_numpy, (tensor.detach().cpu().numpy(),)
+        values = tensor.detach().cpu().numpy()
     except (TypeError, RuntimeError):  # bfloat16 and the like
         return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return _tensor_of, _array(values)[1]
 
 
-_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor}
+def _array(array: np.ndarray) -> tuple[Any, ...]:
+    """An array as its bytes (in the stream, no copy made first), dtype and shape: numpy's
+    own reduction costs twice the time, paid on a small step's every array at every logged
+    step, in the thread that holds the GIL the training thread needs."""
+    if array.dtype.hasobject:
+        return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
+    return _array_of, (pickle.PickleBuffer(array), array.dtype.str, array.shape)
+
+
+def _array_of(data: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """`_array`'s array, as it arrives (writable: the worker may fill it in place)."""
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    return array if array.flags.writeable else array.copy()
+
+
+def _tensor_of(data: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(_array_of(data, dtype, shape))
+
+
+_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor, np.ndarray: _array}
 
 
 def _dumps(message: object, shared: SharedCopies | None = None) -> bytes:
