@@ -92,10 +92,8 @@ class FlightRecorder:
         if not waiting:
             return
         assert self._host is not None  # (they wait only where the ring is the CPU's)
-        rows = np.array([norms for _, norms in waiting], dtype=np.float64)
-        rows[:, 0] = [step for step, _ in waiting]  # (the total's place)
         start = self._written - len(waiting)
-        self._host[np.arange(start, self._written) % self.capacity] = rows
+        self._host[np.arange(start, self._written) % self.capacity] = _rows(waiting)
 
     def _record(self, step: int, norms: Tensor, hold: Tensor | None) -> None:
         self._settle()
@@ -132,14 +130,7 @@ class FlightRecorder:
         self._handed = self._written
         if 0 < count <= len(self._waiting):  # (all kept by `record_host`: read, never again)
             waiting, self._waiting = self._waiting[-count:], []
-            if count == 1:  # (a step logged at every step: one row)
-                step, norms = waiting[0]
-                row = np.array(norms, dtype=np.float64)
-                row[0] = step  # (the total's place)
-                return torch.from_numpy(row)
-            kept = np.array([norms for _, norms in waiting], dtype=np.float64)
-            kept[:, 0] = [step for step, _ in waiting]
-            return torch.from_numpy(kept.reshape(-1))
+            return torch.from_numpy(_rows(waiting).reshape(-1))
         self._settle()
         if count == 0 or self._ring is None:
             return None
@@ -155,3 +146,16 @@ class FlightRecorder:
         """`take`, read on the host (a wait for the device: for the end of training only)."""
         taken = self.take()
         return None if taken is None else taken.cpu().numpy()
+
+
+def _rows(waiting: list[tuple[int, np.ndarray | list[float]]]) -> np.ndarray:
+    """The rows `record_host` kept, ``[steps, 1 + layers]`` float64, each step in its total's
+    place (new memory: the kept norms stay as they were handed over)."""
+    if len(waiting) == 1:  # (a step logged at every step: one row, no list of lists)
+        step, norms = waiting[0]
+        row = np.array(norms, dtype=np.float64)
+        row[0] = step
+        return row[None]
+    rows = np.array([norms for _, norms in waiting], dtype=np.float64)
+    rows[:, 0] = [step for step, _ in waiting]
+    return rows

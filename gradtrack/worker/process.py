@@ -489,8 +489,8 @@ _DISPATCH: dict[type, Callable[[Any], Any]] = {
 
 
 def _dumps(message: object, shared: SharedCopies | None = None) -> bytes:
-    """``message`` pickled, its tensors as numpy arrays, or, where they lie in ``shared``,
-    as where they lie (`shared_copy`)."""
+    """``message`` pickled, its tensors and arrays as their bytes (`_tensor`, `_array`), or,
+    where they lie in ``shared``, as where they lie (`shared_copy`)."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     if shared is None:
