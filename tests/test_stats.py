@@ -360,3 +360,32 @@ def test_the_mailbox_counts_what_ends_a_gathering_behind_a_backlog() -> None:
     small.put_step(PendingStep(4, 0.0, []))
     start = time.monotonic()
     assert len(small.take(10, gather_s=0.3)) == 1 and time.monotonic() - start >= 0.25
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [3.0, 4.0, 1.0, 0.0],  # the unscaled pass
+        [3e200, 4e200, 1e-200, 0.0],  # squares overflow, and underflow to 0
+        [3e-160, 4e-160, 2.0, 0.0],  # squares subnormal: digits lost unscaled
+        [1e150, 2.0, 3.0, 0.0],  # a square just past the unscaled bound
+        [3.0, math.nan, 1.0, math.inf],
+        [math.inf, math.nan, 1.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0],
+    ],
+)
+def test_layer_norms_from_tensor_norms_keep_every_digit_and_every_nan(
+    values: list[float],
+) -> None:
+    """`root_sum_squares` takes squares of norms unscaled where none over- or underflows,
+    else scaled by each group's largest: the same norms either way, NaN and Inf kept."""
+    from gradtrack.formats.record import root_sum_squares
+
+    groups = np.array([0, 0, 1, 2])
+    got = root_sum_squares(np.array(values), groups, 3)
+    for layer, members in enumerate(([0, 1], [2], [3])):
+        parts = [values[i] for i in members]
+        if any(math.isnan(v) for v in parts):
+            assert math.isnan(got[layer])
+        else:  # (math.hypot scales: exact where a square would not fit a float)
+            assert got[layer] == pytest.approx(math.hypot(*parts), rel=1e-15)

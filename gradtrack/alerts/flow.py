@@ -24,6 +24,8 @@ from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.record import StepRecord
 from gradtrack.handoff.layout import SPARSE_KINDS
 
+_DIGITS = re.compile(r"\d+")
+
 
 class LayerKinds:
     """The kind of each layer, in depth order (``depth``: layer name → position)."""
@@ -31,6 +33,10 @@ class LayerKinds:
     def __init__(self, kinds: Sequence[str], depth: dict[str, int]) -> None:
         self._kinds = list(kinds)
         self._depth = depth
+        # Asked by two rules of each step (`JumpCheck`, `FlowCheck`): the last answer, and
+        # each layer's place in its repeated block, named once.
+        self._last: tuple[StepRecord, dict[str, np.ndarray]] | None = None
+        self._places: dict[str, str] = {}
 
     def of(self, layer: str | None) -> str | None:
         """The kind of ``layer`` (None: the whole model has none)."""
@@ -39,13 +45,26 @@ class LayerKinds:
     def comparable(self, record: StepRecord) -> dict[str, np.ndarray]:
         """Rows (depth order) with a finite, non-zero gradient RMS, per kind of layer; layers
         with row-sparse gradients (embeddings) are compared with nothing."""
+        last = self._last
+        if last is not None and last[0] is record:
+            return last[1]
         rms = record.column("rms")
         by_kind: dict[str, list[int]] = {}
-        for j in np.flatnonzero(np.isfinite(rms) & (rms > 0)):
+        for j in np.flatnonzero(np.isfinite(rms) & (rms > 0)).tolist():
             kind = self._kinds[self._depth[record.layers[j]]]
             if kind not in SPARSE_KINDS:
-                by_kind.setdefault(kind, []).append(int(j))
-        return {kind: np.array(rows) for kind, rows in by_kind.items() if len(rows) > 1}
+                by_kind.setdefault(kind, []).append(j)
+        rows = {kind: np.array(rows) for kind, rows in by_kind.items() if len(rows) > 1}
+        self._last = (record, rows)
+        return rows
+
+    def place(self, layer: str) -> str:
+        """``layer``'s place in a repeated block: its name with each number as ``#``
+        (``blocks.3.attn.q`` → ``blocks.#.attn.q``)."""
+        place = self._places.get(layer)
+        if place is None:
+            place = self._places[layer] = _DIGITS.sub("#", layer)
+        return place
 
 
 class Envelope(NamedTuple):
@@ -127,9 +146,6 @@ class JumpCheck(Check):
         return events
 
 
-_DIGITS = re.compile(r"\d+")
-
-
 class FlowCheck(Check):
     """The seed's profile, first layers over last, compared like with like: per *role* —
     a kind of layer at one place in a repeated block (``blocks.#.attn.q``; every layer of
@@ -151,7 +167,7 @@ class FlowCheck(Check):
         comparable = self.kinds.comparable(record)
         if not rule.enabled or not comparable:
             return []
-        median = _median_role(record, comparable)
+        median = _median_role(record, comparable, self.kinds)
         if median is None:
             self._run = 0
             return []
@@ -203,16 +219,15 @@ class FlowCheck(Check):
 
 
 def _median_role(
-    record: StepRecord, comparable: dict[str, np.ndarray]
+    record: StepRecord, comparable: dict[str, np.ndarray], kinds: LayerKinds
 ) -> tuple[float, str, list[int]] | None:
     """The median role's log ratio of first to last quarter, its kind and rows (depth order);
     None if no role has 3 layers."""
     rms = record.column("rms")
     roles: dict[tuple[str, str], list[int]] = {}
     for kind, kind_rows in comparable.items():
-        for j in kind_rows:
-            role = (kind, _DIGITS.sub("#", record.layers[j]))
-            roles.setdefault(role, []).append(int(j))
+        for j in kind_rows.tolist():
+            roles.setdefault((kind, kinds.place(record.layers[j])), []).append(j)
     profiles = []  # (log ratio, kind, rows in depth order)
     for (kind, _), role_rows in roles.items():
         if len(role_rows) >= 3:

@@ -79,7 +79,7 @@ class LearningRateCheck(Check):
     def _oversized(self, record: StepRecord, ratios: np.ndarray) -> list[AlertEvent]:
         rule = self.book.rule("learning_rate", None)
         known = np.flatnonzero(np.isfinite(ratios))
-        if len(known) == 0:
+        if len(known) == 0 or ratios[known].max() <= rule.oversized:  # (no median above it)
             return []
         median = float(np.median(ratios[known]))
         if median <= rule.oversized:
@@ -105,11 +105,13 @@ class LearningRateCheck(Check):
         self, record: StepRecord, norms: np.ndarray, ratios: np.ndarray
     ) -> list[AlertEvent]:
         rule = self.book.rule("learning_rate", None)
+        if not self._ratios:
+            return []
         went_dead = np.flatnonzero((norms == 0.0) & self._flowing)
         fading, kept = self._fading(norms, record.output_grad_norm)
-        dying = np.union1d(went_dead, fading)
-        if len(dying) == 0 or not self._ratios:
+        if len(went_dead) == 0 and len(fading) == 0:
             return []
+        dying = np.union1d(went_dead, fading)
         # The updates before the collapse are its evidence, and so is this step's: the
         # optimizer's state (momentum, Adam's moments) carries the steps that led to it.
         steps = [s for s, _ in self._ratios] + [record.step]

@@ -177,30 +177,31 @@ def summarise_layers(
     Only layers with at least one tensor present get a row. Returns names, rows, total norm.
     """
     n = len(layer_names)
-    weights = {"minlength": n}
     l2, l1, linf, nan, inf = tensor_stats.T
-    present = np.bincount(tensor_layer, **weights) > 0
-    max_abs = np.full(n, -np.inf)
+    present = np.bincount(tensor_layer, minlength=n) > 0
+    rows = np.empty((n, len(STAT_COLUMNS)))
+    norms = rows[:, 0] = root_sum_squares(l2, tensor_layer, n)
+    max_abs = rows[:, 1]
+    max_abs.fill(-np.inf)
     with np.errstate(invalid="ignore"):
         np.maximum.at(max_abs, tensor_layer, linf)
-    numel = np.bincount(tensor_layer, tensor_numel.astype(np.float64), **weights)
+    numel = rows[:, 4] = np.bincount(tensor_layer, tensor_numel, minlength=n)
     safe_numel = np.maximum(numel, 1.0)  # an empty layer's gradient is all (no) zeros
-    norms = root_sum_squares(l2, tensor_layer, n)
-    rows = np.stack(
-        [
-            norms,
-            max_abs,
-            np.bincount(tensor_layer, l1, **weights) / safe_numel,
-            norms / np.sqrt(safe_numel),
-            numel,
-            np.bincount(tensor_layer, nan, **weights),
-            np.bincount(tensor_layer, inf, **weights),
-        ],
-        axis=1,
-    )[present]
-    names = tuple(name for name, keep in zip(layer_names, present) if keep)
-    total = root_sum_squares(norms[present], np.zeros(int(present.sum()), np.int64), 1)
-    return names, rows, float(total[0]) if len(total) else 0.0
+    rows[:, 2] = np.bincount(tensor_layer, l1, minlength=n) / safe_numel
+    rows[:, 3] = norms / np.sqrt(safe_numel)
+    rows[:, 5] = np.bincount(tensor_layer, nan, minlength=n)
+    rows[:, 6] = np.bincount(tensor_layer, inf, minlength=n)
+    if not present.all():  # (usually every layer has a gradient: its rows as they are)
+        rows, norms = rows[present], norms[present]
+        layer_names = tuple(name for name, keep in zip(layer_names, present) if keep)
+    total = root_sum_squares(norms, np.zeros(len(norms), np.int64), 1)
+    return layer_names, rows, float(total[0]) if len(total) else 0.0
+
+
+# Squares of norms between these bounds sum in fp64 with every digit kept (a sum of fewer
+# than 10^8 of them stays finite): `root_sum_squares` needs no scaling.
+_SQUARE_MAX = 1e300
+_SQUARE_MIN = 1e-290
 
 
 def root_sum_squares(values: np.ndarray, groups: np.ndarray, n: int) -> np.ndarray:
@@ -210,6 +211,14 @@ def root_sum_squares(values: np.ndarray, groups: np.ndarray, n: int) -> np.ndarr
     >>> root_sum_squares(np.array([3e200, 4e200, 1e-200]), np.array([0, 0, 1]), 2)
     array([5.e+200, 1.e-200])
     """
+    with np.errstate(over="ignore", invalid="ignore"):
+        squares = values * values
+    # The common case, unscaled: no square overflows, or underflows to where fp64 loses
+    # digits (a NaN or Inf anywhere takes the scaled pass, which keeps them).
+    largest = squares.max(initial=0.0)
+    smallest = squares.min(initial=1.0, where=values != 0.0)
+    if largest < _SQUARE_MAX and smallest > _SQUARE_MIN:
+        return np.sqrt(np.bincount(groups, squares, minlength=n))
     scale = np.zeros(n)
     np.fmax.at(scale, groups, values)  # fmax: a NaN does not hide the finite maximum
     usable = np.isfinite(scale) & (scale > 0)
