@@ -52,7 +52,11 @@ class LearningRateCheck(Check):
         self._flowing = np.zeros(n, dtype=bool)
         lookback = book.rules.learning_rate.lookback
         self._ratios: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
-        self._norms: deque[tuple[int, np.ndarray]] = deque(maxlen=lookback)
+        # Each layer's gradient norm at the last ``lookback`` logged steps, a row each in
+        # turn (-inf: not finite, or no step yet), and the last of those steps.
+        self._levels = np.full((lookback, n), -np.inf)
+        self._written = 0
+        self._last_step = 0
         self._outputs: deque[float] = deque(maxlen=lookback)  # the output gradient's norms
         self._total = math.nan
 
@@ -69,7 +73,11 @@ class LearningRateCheck(Check):
                 events = self._oversized(record, full) or self._collapse(record, norms, full)
             self._ratios.append((record.step, full))
         self._flowing[idx] = np.isfinite(norms[idx]) & (norms[idx] > 0)
-        self._norms.append((record.step, norms))
+        self._levels[self._written % len(self._levels)] = np.where(
+            np.isfinite(norms), norms, -np.inf
+        )
+        self._written += 1
+        self._last_step = record.step
         output = record.output_grad_norm
         self._outputs.append(math.nan if output is None else output)
         if math.isfinite(record.total_norm):
@@ -143,7 +151,7 @@ class LearningRateCheck(Check):
         """Layers whose gradient fell away while the loss still sends gradient (see the
         module's doc), and what kept its gradient meanwhile, in words."""
         none = np.array([], dtype=np.int64)
-        if not self._norms:
+        if not self._written:
             return none, None
         recent = self._recent_levels()
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -165,7 +173,7 @@ class LearningRateCheck(Check):
     def _how_dead(
         self, culprits: np.ndarray, went_dead: np.ndarray, norms: np.ndarray, kept: str | None
     ) -> str:
-        previous = self._norms[-1][0]
+        previous = self._last_step
         if np.isin(culprits, went_dead).all() or kept is None:
             return f"gradient exactly zero; it flowed at step {previous}"
         lowest = culprits[np.argmin(norms[culprits])]
@@ -176,8 +184,7 @@ class LearningRateCheck(Check):
 
     def _recent_levels(self) -> np.ndarray:
         """Each layer's highest finite gradient norm of the last logged steps (-inf: none)."""
-        recent = np.stack([n for _, n in self._norms])
-        return np.where(np.isfinite(recent), recent, -np.inf).max(axis=0)
+        return self._levels.max(axis=0)
 
     def _most_moved(self, candidates: np.ndarray, ratios: np.ndarray) -> np.ndarray:
         return candidates[np.argsort(-ratios[candidates])][:MOST_MOVED]

@@ -12,6 +12,7 @@ worker reads them back by name.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -183,6 +184,9 @@ def _and(previous: Tensor | None, current: Tensor) -> Tensor:
     return current if previous is None else torch.logical_and(previous, current)
 
 
+_NONE = np.zeros(0)  # (a field the step carried none of; empty, so nothing writes into it)
+
+
 @dataclass
 class HostEvidence:
     """A step's evidence read on the host: float64 arrays, empty where the step carried none
@@ -204,7 +208,7 @@ class HostEvidence:
 
     @classmethod
     def empty(cls) -> HostEvidence:
-        return cls(**{f.name: np.zeros(0) for f in fields(cls)})
+        return cls(*(_NONE,) * len(fields(cls)))
 
     def scalar(self, name: str) -> float | None:
         """A scalar field as a float; None where unknown."""
@@ -247,14 +251,15 @@ class EvidenceLayout:
             start += length
 
     def read(self, values: np.ndarray) -> HostEvidence:
-        pieces: dict[str, list[np.ndarray]] = {}
+        """The fields of ``values``, each a copy (a field kept does not hold the step's whole
+        host copy); a repeated one joined."""
+        evidence = HostEvidence.empty()
         start = 0
         for name, length in self.fields:
-            pieces.setdefault(name, []).append(values[start : start + length])
+            piece = values[start : start + length].copy()
             start += length
-        evidence = HostEvidence.empty()
-        for name, parts in pieces.items():
-            setattr(evidence, name, np.concatenate(parts))
+            held = getattr(evidence, name)
+            setattr(evidence, name, piece if held is _NONE else np.concatenate([held, piece]))
         return evidence
 
 
@@ -290,11 +295,15 @@ class TensorIndex:
         >>> index.layer_update_norms(np.array([[3.0, 0.3], [4.0, 0.4]]))
         (array([5.]), array([0.5]))
         """
-        n_layers = len(self.layer_names)
-        return (
-            root_sum_squares(rows[:, 0], self.tensor_layer, n_layers),
-            root_sum_squares(rows[:, 1], self.tensor_layer, n_layers),
-        )
+        n = len(self.layer_names)
+        both = root_sum_squares(rows.T.reshape(-1), self._both_columns, 2 * n)  # (one pass)
+        return both[:n], both[n:]
+
+    @functools.cached_property
+    def _both_columns(self) -> np.ndarray:
+        """The layer of each element of a [tensors, 2] array's two columns end to end, the
+        second column's layers numbered after the first's."""
+        return np.concatenate([self.tensor_layer, self.tensor_layer + len(self.layer_names)])
 
 
 def flat_stat_rows(values: np.ndarray, offsets: np.ndarray, full: bool) -> np.ndarray:
