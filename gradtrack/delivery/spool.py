@@ -62,6 +62,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS items (
     seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, has_histograms INTEGER NOT NULL,
     body BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS alerts ON items(seq) WHERE kind = 'alert';
+CREATE INDEX IF NOT EXISTS histograms ON items(seq) WHERE has_histograms = 1;
 CREATE TABLE IF NOT EXISTS cursors (name TEXT PRIMARY KEY, seq INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
@@ -227,16 +229,21 @@ class Spool:
 
     def waiting(self, after: int, through: int, histograms_only: bool = False) -> tuple[int, int]:
         """How many items (and how many alerts among them) wait after seq ``after``
-        through ``through``; ``histograms_only``: records carrying histograms."""
-        query = (
-            "SELECT COUNT(*), COALESCE(SUM(kind = 'alert'), 0) FROM items"
-            " WHERE seq > ? AND seq <= ?"
-        )
-        if histograms_only:
-            query += " AND has_histograms = 1"
+        through ``through``; ``histograms_only``: records carrying histograms.
+
+        Asked at every look of a courier and of the progress it tells, so never by a scan
+        of what waits (a spool far behind holds millions of items): the items are numbered
+        without gaps from the oldest kept, and alerts and histogram records are indexed."""
+        range_ = "seq > ? AND seq <= ?"
         with self._lock:
-            count, alerts = self._db.execute(query, (after, through)).fetchone()
-        return int(count), int(alerts)
+            if histograms_only:
+                query = f"SELECT COUNT(*) FROM items WHERE has_histograms = 1 AND {range_}"
+                return self._scalar(query, after, through), 0
+            oldest = self._scalar("SELECT COALESCE(MIN(seq), ?) FROM items", through + 1)
+            alerts = self._scalar(
+                f"SELECT COUNT(*) FROM items WHERE kind = 'alert' AND {range_}", after, through
+            )
+        return max(0, min(through, self._last_seq) - max(after, oldest - 1)), alerts
 
     def cursor(self, name: str) -> int:
         with self._lock:

@@ -49,6 +49,48 @@ def event(step: int) -> AlertEvent:
     )  # fmt: skip
 
 
+def test_what_waits_is_counted_without_a_scan_of_the_backlog(tmp_path: Path) -> None:
+    """A courier and the close progress line ask at every look what waits: counted from the
+    gap-free numbering and the alerts' and histogram records' own indexes — the same counts
+    as a scan, after items were confirmed, across a reopening, for any range."""
+    spool = Spool.create(tmp_path, "unit", {"sink": {"backend": "test"}}, 1 << 30)
+    spool.add_cursor("sink")
+    kinds = ["alert" if s % 7 == 3 else "hist" if s % 5 == 0 else "plain" for s in range(300)]
+    spool.append(
+        event(s) if kind == "alert" else histogram_record(s) if kind == "hist" else record(s)
+        for s, kind in enumerate(kinds)
+    )
+
+    def scanned(after: int, through: int) -> tuple[int, int, int]:
+        kept = [k for seq, k in enumerate(kinds, 1) if max(after, done) < seq <= through]
+        return len(kept), kept.count("alert"), kept.count("hist")
+
+    for done in (0, 120):
+        spool.confirm("sink", done)
+        if done:
+            spool.close()
+            spool = Spool(spool.path, 1 << 30)
+        for after, through in [(0, 300), (50, 60), (119, 121), (200, 300), (300, 300)]:
+            count, alerts, histograms = scanned(after, through)
+            assert spool.waiting(after, through) == (count, alerts)
+            assert spool.waiting(after, through, histograms_only=True) == (histograms, 0)
+    plans = [
+        spool._db.execute(f"EXPLAIN QUERY PLAN SELECT COUNT(*) FROM items WHERE {where}").fetchall()
+        for where in ("kind = 'alert' AND seq > 1 AND seq <= 9", "has_histograms = 1 AND seq > 1")
+    ]
+    assert all("USING INDEX" in str(plan) for plan in plans), plans
+    spool.close()
+
+
+def histogram_record(step: int) -> StepRecord:
+    from gradtrack.formats.histogram import bin_samples
+
+    return StepRecord(
+        step=step, wall_time=1.0, layers=("a",), stats=np.ones((1, 7)), total_norm=1.0,
+        histograms={"a": bin_samples(np.linspace(-1, 1, 50), 8, "log")},
+    )  # fmt: skip
+
+
 def test_items_come_back_in_order_across_reopening_and_confirmed_ones_go(tmp_path: Path) -> None:
     spool = Spool.create(tmp_path, "unit", {"sink": {"backend": "test"}}, 1 << 30)
     spool.add_cursor("sink")
