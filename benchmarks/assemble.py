@@ -49,7 +49,7 @@ def kept_steps(model_name: str, steps: int) -> tuple[Any, list[PendingStep]]:
         if getattr(item, "reply", None) is not None:
             item.reply.answer(None)
 
-    watcher.worker._process = keep
+    watcher.worker._process = keep  # type: ignore[attr-defined]
     for _ in range(steps):
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()

@@ -65,12 +65,18 @@ class Outbox:
         for key, sink in zip(ids, sinks):
             tracker = trackers.get(key)
             if tracker is not None and self.spool is not None:
-                self.couriers.append(SpooledCourier(tracker, self.spool, key, report))
+                courier = SpooledCourier(tracker, self.spool, key, report, behind=self._behind)
+                self.couriers.append(courier)
             else:
                 self.couriers.append(Courier(sink, capacity, drops, report))
         self._patience_s = config.flush_timeout_s
+        self._behind_steps = 2 * config.delivery.max_batch_steps
         self._sync_told = False  # the sync command was named already
         self._closing = False  # a close was posted: once the sinks are done, the spool closes
+
+    def _behind(self) -> bool:
+        """Whether the worker is behind: more steps wait for it than two of its batches."""
+        return self._queued() > self._behind_steps
 
     @property
     def sinks(self) -> list[GradientSink]:
@@ -579,9 +585,18 @@ class SpooledCourier(SinkCourier):
     """Delivers a `TrackerSink`'s items from the spool, in order, each once; the only place
     delivery retries. A batch that fails is sent again after a backoff (0.5 s doubling to
     the sink's ``retry_max_s``), the outage warned about once; the spool holds everything
-    meanwhile. Calls posted (flush, close) run once every item appended before them went."""
+    meanwhile. Calls posted (flush, close) run once every item appended before them went.
+
+    While the worker is ``behind`` (steps wait for it), a tracker's writes give way to it —
+    up to `_YIELD_MAX_S` after the last send: in a worker process that cannot keep up with
+    both, steps the worker has not reduced fill the ring the training process lays their
+    copies in, and past it the training process reduces them itself, holding the GIL
+    training needs; what the tracker has not taken waits in the spool, all of it delivered
+    by ``close()``."""
 
     _IDLE_S = 0.5
+    _YIELD_S = 0.05  # how long a tracker's write waits while the worker is behind ...
+    _YIELD_MAX_S = 1.0  # ... at most this long after the last send
 
     def __init__(
         self,
@@ -590,9 +605,12 @@ class SpooledCourier(SinkCourier):
         sink_id: str,
         on_error: Callable[[str], None],
         start: bool = True,
+        behind: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(sink, on_error)
         self.spool, self.sink_id, self._tracker = spool, sink_id, sink
+        self._behind = behind
+        self._yielding = False  # the last look found the worker behind: wait, news or not
         self._lanes = [_Lane(spool, sink_id, False, sink.batch_items, sink)]
         if sink.histogram_steps > 0:
             cursor = f"{sink_id}/histograms"
@@ -686,7 +704,7 @@ class SpooledCourier(SinkCourier):
             with self._changed:
                 head = self._calls[0] if self._calls else None
                 news = head is not call or (call is None and self._available > through)
-                if not news:
+                if not news or (self._yielding and head is call):
                     self._changed.wait(wait_s)
 
     def _deliver(self, through: int, forced: bool) -> float | None:
@@ -695,6 +713,9 @@ class SpooledCourier(SinkCourier):
         now = time.monotonic()
         if now < self._retry_at:
             return self._retry_at - now
+        self._yielding = not forced and now - self._last_sent < self._YIELD_MAX_S and self._behind()
+        if self._yielding:
+            return self._YIELD_S
         waits, sent = [self._IDLE_S], False
         for lane in self._lanes:
             count, alerts = self.spool.waiting(lane.position, through, lane.histograms)

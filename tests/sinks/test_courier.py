@@ -81,3 +81,58 @@ def test_every_item_reaches_send_once_in_order_through_failures(tmp_path: Path) 
     assert courier.failures > 0 and spool.undelivered() == 0
     courier.post_after("close", 30.0).wait(60)
     spool.close()
+
+
+class TimedSink(TrackerSink):
+    """Keeps when each item arrived."""
+
+    batch_items = 1  # (each item due at once)
+    histogram_steps = 0
+
+    def __init__(self) -> None:
+        self.arrived: dict[int, float] = {}
+
+    def send(self, batch: Sequence[StepRecord | AlertEvent]) -> None:
+        for item in batch:
+            self.arrived[item.step] = time.monotonic()
+
+    def send_histograms(self, records: Sequence[StepRecord]) -> None:
+        raise AssertionError("no histograms here")
+
+    def spool_target(self) -> dict[str, Any]:
+        return {"backend": "timed"}
+
+
+def test_a_trackers_writes_give_way_while_the_worker_is_behind(tmp_path: Path) -> None:
+    """In a worker process that cannot keep up with both, the tracker's writes wait while
+    steps wait for the worker — at most `_YIELD_MAX_S` after its last send, so it is never
+    starved — and not at all once the worker caught up, or for a flush."""
+    spool = Spool.create(tmp_path, "unit", {"0-TimedSink": {}}, 1 << 30)
+    sink = TimedSink()
+    behind = threading.Event()
+    behind.set()
+    courier = SpooledCourier(sink, spool, "0-TimedSink", lambda m: None, behind=behind.is_set)
+
+    def deliver(step: int, within_s: float) -> float:
+        spool.append([record(step)])
+        courier.announce(spool.last_seq)
+        start = time.monotonic()
+        while step not in sink.arrived:
+            assert time.monotonic() - start < within_s, f"step {step} not sent"
+            time.sleep(0.005)
+        return sink.arrived[step] - start
+
+    assert deliver(0, within_s=10) < 1.0  # (its first send: nothing sent yet to give way to)
+    waited = deliver(1, within_s=10)
+    assert SpooledCourier._YIELD_MAX_S - 0.1 < waited < SpooledCourier._YIELD_MAX_S + 2
+    behind.clear()
+    time.sleep(0.1)
+    assert deliver(2, within_s=10) < 0.5  # the worker caught up: at once
+    behind.set()
+    deliver(3, within_s=10)  # (a send: the next one would wait again)
+    spool.append([record(4)])
+    courier.announce(spool.last_seq)
+    courier.post_after("flush", 30.0).wait(0.5)  # a flush does not give way
+    assert 4 in sink.arrived
+    courier.post_after("close", 30.0).wait(10)
+    spool.close()
