@@ -102,13 +102,20 @@ class JumpCheck(Check):
     def __init__(self, book: RuleBook, cooldowns: Cooldowns, kinds: LayerKinds) -> None:
         super().__init__(book, cooldowns)
         self.kinds = kinds
+        self._everyone = np.arange(len(book.names))
+        self._least: float | None = None
 
     def check(self, record: StepRecord) -> list[AlertEvent]:
         """The breaks of every kind of layer at this step."""
         rms = record.column("rms")
+        if self._least is None:  # (the smallest ratio any layer's rule asks)
+            self._least = float(self.book.param("jump", "ratio", self._everyone).min())
         events: list[AlertEvent] = []
         for kind, rows in self.kinds.comparable(record).items():
-            events += self._breaks(record, kind, rows, Envelope.of(rms[rows]))
+            values = rms[rows]
+            if values.max() <= self._least * values.min():
+                continue  # no boundary within this kind can be past its ratio
+            events += self._breaks(record, kind, rows, Envelope.of(values))
         return events
 
     def _breaks(

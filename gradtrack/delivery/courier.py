@@ -61,22 +61,18 @@ class Outbox:
         }  # the one place a sink's kind is asked
         self.spool = open_spool(trackers, config)
         capacity = config.delivery.sink_buffer_steps
+        give_way = GiveWay(queued, 2 * config.delivery.max_batch_steps)  # (two batches)
         self.couriers: list[SinkCourier] = []
         for key, sink in zip(ids, sinks):
             tracker = trackers.get(key)
             if tracker is not None and self.spool is not None:
-                courier = SpooledCourier(tracker, self.spool, key, report, behind=self._behind)
+                courier = SpooledCourier(tracker, self.spool, key, report, give_way=give_way)
                 self.couriers.append(courier)
             else:
                 self.couriers.append(Courier(sink, capacity, drops, report))
         self._patience_s = config.flush_timeout_s
-        self._behind_steps = 2 * config.delivery.max_batch_steps
         self._sync_told = False  # the sync command was named already
         self._closing = False  # a close was posted: once the sinks are done, the spool closes
-
-    def _behind(self) -> bool:
-        """Whether the worker is behind: more steps wait for it than two of its batches."""
-        return self._queued() > self._behind_steps
 
     @property
     def sinks(self) -> list[GradientSink]:
@@ -581,22 +577,62 @@ class _Lane:
 _DOING = {"close": "ending its run (its last pictures and files)", "flush": "flushing its tracker"}
 
 
+class GiveWay:
+    """A tracker's writes give way to the worker while it is behind — more steps wait for it
+    than ``steps`` — for at most `MAX_S` after a courier's last send, so that the tracker is
+    never starved. In a worker process that cannot keep up with both, the steps it has not
+    reduced fill the ring the training process lays their copies in, and past the ring the
+    training process reduces them itself, holding the GIL training needs; what the tracker
+    has not taken meanwhile waits in the spool, all of it delivered by ``close()``."""
+
+    WAIT_S = 0.05  # how long a write waits before its courier looks again
+    MAX_S = 1.0
+
+    def __init__(self, queued: Callable[[], int], steps: int) -> None:
+        self._queued, self._steps = queued, steps
+
+    def wait_s(self, last_sent: float) -> float | None:
+        """How long a courier whose last send was at ``last_sent`` waits (None: it sends)."""
+        if time.monotonic() - last_sent < self.MAX_S and self._queued() > self._steps:
+            return self.WAIT_S
+        return None
+
+
+class Outage:
+    """A tracker's failing sends: each is tried again after a backoff (0.5 s doubling to the
+    sink's ``retry_max_s``), the outage warned about once, until a send goes through."""
+
+    def __init__(self, tracker: TrackerSink) -> None:
+        self._tracker = tracker
+        self._backoff_s = 0.0
+        self.retry_at = 0.0  # (monotonic) no send before it
+        self._told = False
+        self.stalled = False  # the tracker refuses, and waiting does not help
+
+    def failed(self, error: Exception, name: str) -> None:
+        self._backoff_s = min(self._tracker.retry_max_s, max(0.5, self._backoff_s * 2))
+        self.retry_at = time.monotonic() + self._backoff_s
+        try:
+            self.stalled = not self._tracker.waiting_helps(error)
+            message = self._tracker.failure_message(error)
+        except Exception as exc:
+            message = f"{name} failed: {error!r} (and {exc!r})"
+        if not self._told:
+            self._told = True
+            report(message)
+
+    def recovered(self) -> None:
+        self._backoff_s, self.retry_at = 0.0, 0.0
+        self._told = self.stalled = False
+
+
 class SpooledCourier(SinkCourier):
     """Delivers a `TrackerSink`'s items from the spool, in order, each once; the only place
-    delivery retries. A batch that fails is sent again after a backoff (0.5 s doubling to
-    the sink's ``retry_max_s``), the outage warned about once; the spool holds everything
-    meanwhile. Calls posted (flush, close) run once every item appended before them went.
-
-    While the worker is ``behind`` (steps wait for it), a tracker's writes give way to it —
-    up to `_YIELD_MAX_S` after the last send: in a worker process that cannot keep up with
-    both, steps the worker has not reduced fill the ring the training process lays their
-    copies in, and past it the training process reduces them itself, holding the GIL
-    training needs; what the tracker has not taken waits in the spool, all of it delivered
-    by ``close()``."""
+    delivery retries. A batch that fails is sent again (`Outage`); the spool holds everything
+    meanwhile. Calls posted (flush, close) run once every item appended before them went;
+    other sends give way to the worker while it is behind (``give_way``)."""
 
     _IDLE_S = 0.5
-    _YIELD_S = 0.05  # how long a tracker's write waits while the worker is behind ...
-    _YIELD_MAX_S = 1.0  # ... at most this long after the last send
 
     def __init__(
         self,
@@ -605,22 +641,19 @@ class SpooledCourier(SinkCourier):
         sink_id: str,
         on_error: Callable[[str], None],
         start: bool = True,
-        behind: Callable[[], bool] = lambda: False,
+        give_way: GiveWay | None = None,
     ) -> None:
         super().__init__(sink, on_error)
         self.spool, self.sink_id, self._tracker = spool, sink_id, sink
-        self._behind = behind
-        self._yielding = False  # the last look found the worker behind: wait, news or not
+        self._give_way = give_way
+        self._yielding = False  # the last look gave way to the worker: wait, news or not
         self._lanes = [_Lane(spool, sink_id, False, sink.batch_items, sink)]
         if sink.histogram_steps > 0:
             cursor = f"{sink_id}/histograms"
             self._lanes.append(_Lane(spool, cursor, True, sink.histogram_steps, sink))
         self._available = spool.last_seq  # appended items the worker has announced
         self._last_sent = -float("inf")
-        self._backoff_s = 0.0
-        self._retry_at = 0.0
-        self._outage = False
-        self.stalled = False  # the tracker refuses, and waiting does not help
+        self._outage = Outage(sink)
         self._progress_at = -float("inf")  # the last send that went
         self.broken: str | None = None  # why delivery stopped for good (an unreadable spool)
         self._opened = False
@@ -711,11 +744,12 @@ class SpooledCourier(SinkCourier):
         """Send what is due on every lane: None if something went, else how long to wait
         before anything can be due."""
         now = time.monotonic()
-        if now < self._retry_at:
-            return self._retry_at - now
-        self._yielding = not forced and now - self._last_sent < self._YIELD_MAX_S and self._behind()
-        if self._yielding:
-            return self._YIELD_S
+        if now < self._outage.retry_at:
+            return self._outage.retry_at - now
+        hold = None if forced or self._give_way is None else self._give_way.wait_s(self._last_sent)
+        self._yielding = hold is not None
+        if hold is not None:
+            return hold
         waits, sent = [self._IDLE_S], False
         for lane in self._lanes:
             count, alerts = self.spool.waiting(lane.position, through, lane.histograms)
@@ -731,7 +765,7 @@ class SpooledCourier(SinkCourier):
             elif self._send(lane, through):
                 sent = True
             else:
-                return max(0.0, self._retry_at - time.monotonic())
+                return max(0.0, self._outage.retry_at - time.monotonic())
         return None if sent else min(waits)
 
     def _send(self, lane: _Lane, through: int) -> bool:
@@ -751,10 +785,11 @@ class SpooledCourier(SinkCourier):
                 self._tracker.send(payloads)
         except Exception as exc:
             self._starting = False
-            self._failed(exc)
+            self.failures += 1
+            self._outage.failed(exc, self._name)
             return False
         self._starting = False
-        self._recovered()
+        self._outage.recovered()
         self._progress_at = time.monotonic()
         full = len(items) >= lane.batch
         # A histogram lane's batch short of full held every histogram record it was read
@@ -764,23 +799,6 @@ class SpooledCourier(SinkCourier):
         self._describe()
         return True
 
-    def _failed(self, error: Exception) -> None:
-        self.failures += 1
-        self._backoff_s = min(self._tracker.retry_max_s, max(0.5, self._backoff_s * 2))
-        self._retry_at = time.monotonic() + self._backoff_s
-        try:
-            self.stalled = not self._tracker.waiting_helps(error)
-            message = self._tracker.failure_message(error)
-        except Exception as exc:
-            message = f"{self._name} failed: {error!r} (and {exc!r})"
-        if not self._outage:
-            self._outage = True
-            report(message)
-
-    def _recovered(self) -> None:
-        self._backoff_s, self._retry_at = 0.0, 0.0
-        self._outage = self.stalled = False
-
     def _given_up(self, call: CourierCall) -> bool:
         """A flush or close stops waiting for delivery when the tracker refuses (waiting does
         not help), or after the call's ``patience_s`` without a send going through (an
@@ -788,7 +806,7 @@ class SpooledCourier(SinkCourier):
         if self._waiting_for is not call:
             self._waiting_for, self._waiting_since = call, time.monotonic()
         quiet_since = max(self._waiting_since, self._progress_at)
-        return self.stalled or time.monotonic() - quiet_since > call.patience_s
+        return self._outage.stalled or time.monotonic() - quiet_since > call.patience_s
 
     def _run_call(self, call: CourierCall, complete: bool) -> None:
         self._ending = _DOING[call.method]  # (said from before it leaves the queue until done)

@@ -85,9 +85,13 @@ def is_spool(path: Path) -> bool:
 
 _HEADER = struct.Struct("<I")
 _DTYPES = frozenset({"<f8", "<f4", "<f2", "<i8", "<i4", "<u1", "|b1", "|u1"})
-_RECORD_FIELDS = frozenset(field.name for field in dataclasses.fields(StepRecord))
+_RECORD_NAMES = tuple(field.name for field in dataclasses.fields(StepRecord))
+_RECORD_FIELDS = frozenset(_RECORD_NAMES)
 _HISTOGRAM_FIELDS = frozenset(field.name for field in dataclasses.fields(Histogram))
 _WINDOW_FIELDS = frozenset(field.name for field in dataclasses.fields(FlightWindow))
+
+
+_AS_THEY_ARE = frozenset({str, int, bool})  # JSON holds these as they are
 
 
 class CodecError(ValueError):
@@ -367,9 +371,7 @@ def encode(payload: Payload) -> bytes:
     if isinstance(payload, AlertEvent):
         header: dict[str, Any] = {"kind": "alert", "event": payload.model_dump(mode="json")}
     else:
-        fields = {
-            field.name: getattr(payload, field.name) for field in dataclasses.fields(StepRecord)
-        }
+        fields = {name: getattr(payload, name) for name in _RECORD_NAMES}
         fields["histograms"] = {
             layer: {
                 "edges": h.edges,
@@ -434,6 +436,8 @@ def _window(value: Any) -> FlightWindow:
 
 
 def _to_json(value: Any, arrays: list[np.ndarray]) -> Any:
+    if value is None or type(value) in _AS_THEY_ARE:  # (most fields: layer names, flags)
+        return value
     if isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
         if array.dtype.str not in _DTYPES:

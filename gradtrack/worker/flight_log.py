@@ -152,12 +152,11 @@ class FlightLog:
         fresh = steps > self._newest
         if not fresh.any():
             return
-        steps, rows = steps[fresh], rows[fresh]
         capacity = self.capacity
-        for step, row in zip(steps[-capacity:].tolist(), rows[-capacity:, 1:]):
-            slot = self._next % capacity
-            self._step[slot], self._norms[slot], self._logged[slot] = step, row, False
-            self._next += 1
+        steps, rows = steps[fresh][-capacity:], rows[fresh][-capacity:]
+        slots = (self._next + np.arange(len(steps))) % capacity
+        self._step[slots], self._norms[slots], self._logged[slots] = steps, rows[:, 1:], False
+        self._next += len(steps)
         self._newest = int(steps[-1])
 
     def ending(self, outcome: str, step: int, wall_time: float) -> StepRecord | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from gradtrack.delivery.courier import SpooledCourier
+from gradtrack.delivery.courier import GiveWay, SpooledCourier
 from gradtrack.delivery.spool import Spool
 from gradtrack.formats.event import AlertEvent
 from gradtrack.formats.histogram import bin_samples
@@ -105,13 +105,14 @@ class TimedSink(TrackerSink):
 
 def test_a_trackers_writes_give_way_while_the_worker_is_behind(tmp_path: Path) -> None:
     """In a worker process that cannot keep up with both, the tracker's writes wait while
-    steps wait for the worker — at most `_YIELD_MAX_S` after its last send, so it is never
+    steps wait for the worker — at most `GiveWay.MAX_S` after its last send, so it is never
     starved — and not at all once the worker caught up, or for a flush."""
     spool = Spool.create(tmp_path, "unit", {"0-TimedSink": {}}, 1 << 30)
     sink = TimedSink()
     behind = threading.Event()
     behind.set()
-    courier = SpooledCourier(sink, spool, "0-TimedSink", lambda m: None, behind=behind.is_set)
+    give_way = GiveWay(lambda: 100 if behind.is_set() else 0, steps=64)  # (100 steps wait)
+    courier = SpooledCourier(sink, spool, "0-TimedSink", lambda m: None, give_way=give_way)
 
     def deliver(step: int, within_s: float) -> float:
         spool.append([record(step)])
@@ -124,7 +125,7 @@ def test_a_trackers_writes_give_way_while_the_worker_is_behind(tmp_path: Path) -
 
     assert deliver(0, within_s=10) < 1.0  # (its first send: nothing sent yet to give way to)
     waited = deliver(1, within_s=10)
-    assert SpooledCourier._YIELD_MAX_S - 0.1 < waited < SpooledCourier._YIELD_MAX_S + 2
+    assert GiveWay.MAX_S - 0.1 < waited < GiveWay.MAX_S + 2
     behind.clear()
     time.sleep(0.1)
     assert deliver(2, within_s=10) < 0.5  # the worker caught up: at once
