@@ -579,21 +579,26 @@ _DOING = {"close": "ending its run (its last pictures and files)", "flush": "flu
 
 class GiveWay:
     """A tracker's writes give way to the worker while it is behind — more steps wait for it
-    than ``steps`` — for at most `MAX_S` after a courier's last send, so that the tracker is
-    never starved. In a worker process that cannot keep up with both, the steps it has not
-    reduced fill the ring the training process lays their copies in, and past the ring the
-    training process reduces them itself, holding the GIL training needs; what the tracker
-    has not taken meanwhile waits in the spool, all of it delivered by ``close()``."""
+    than ``steps`` — yet keep `SHARE` of the time: after a send, the next waits at most
+    three times as long as that send took (at least `FLOOR_S`). A batch of MLflow's metrics
+    holds the GIL for seconds (its SQL store's ORM). In a worker process that cannot keep up
+    with both, the steps it has not reduced fill the ring the training process lays their
+    copies in, and past the ring the training process reduces them itself, holding the GIL
+    training needs; what the tracker has not taken waits in the spool, all of it delivered
+    by ``close()``."""
 
     WAIT_S = 0.05  # how long a write waits before its courier looks again
-    MAX_S = 1.0
+    SHARE = 0.25
+    FLOOR_S = 1.0
 
     def __init__(self, queued: Callable[[], int], steps: int) -> None:
         self._queued, self._steps = queued, steps
 
-    def wait_s(self, last_sent: float) -> float | None:
-        """How long a courier whose last send was at ``last_sent`` waits (None: it sends)."""
-        if time.monotonic() - last_sent < self.MAX_S and self._queued() > self._steps:
+    def wait_s(self, last_sent: float, send_s: float) -> float | None:
+        """How long a courier whose last send ended at ``last_sent`` and took ``send_s``
+        waits before it looks again (None: it sends now)."""
+        quiet_s = max(self.FLOOR_S, send_s * (1 - self.SHARE) / self.SHARE)
+        if time.monotonic() - last_sent < quiet_s and self._queued() > self._steps:
             return self.WAIT_S
         return None
 
@@ -653,6 +658,7 @@ class SpooledCourier(SinkCourier):
             self._lanes.append(_Lane(spool, cursor, True, sink.histogram_steps, sink))
         self._available = spool.last_seq  # appended items the worker has announced
         self._last_sent = -float("inf")
+        self._send_s = 0.0  # how long the last send took
         self._outage = Outage(sink)
         self._progress_at = -float("inf")  # the last send that went
         self.broken: str | None = None  # why delivery stopped for good (an unreadable spool)
@@ -746,7 +752,11 @@ class SpooledCourier(SinkCourier):
         now = time.monotonic()
         if now < self._outage.retry_at:
             return self._outage.retry_at - now
-        hold = None if forced or self._give_way is None else self._give_way.wait_s(self._last_sent)
+        hold = (
+            None
+            if forced or self._give_way is None
+            else self._give_way.wait_s(self._last_sent, self._send_s)
+        )
         self._yielding = hold is not None
         if hold is not None:
             return hold
@@ -779,10 +789,12 @@ class SpooledCourier(SinkCourier):
                 self._tracker.open()
                 self._opened = True
                 self._describe()  # which run, before anything goes to it
+            started = time.monotonic()
             if lane.histograms:
                 self._tracker.send_histograms(payloads)  # type: ignore[arg-type]
             else:
                 self._tracker.send(payloads)
+            self._send_s = time.monotonic() - started
         except Exception as exc:
             self._starting = False
             self.failures += 1
