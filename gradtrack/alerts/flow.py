@@ -108,7 +108,8 @@ class JumpCheck(Check):
     def check(self, record: StepRecord) -> list[AlertEvent]:
         """The breaks of every kind of layer at this step."""
         rms = record.column("rms")
-        if self._least is None:  # (the smallest ratio any layer's rule asks)
+        if self._least is None:  # the smallest ratio any layer's rule asks (looked up per
+            # layer: at the first step in the worker, not in watch() on the training thread)
             self._least = float(self.book.param("jump", "ratio", self._everyone).min())
         events: list[AlertEvent] = []
         for kind, rows in self.kinds.comparable(record).items():
