@@ -301,6 +301,39 @@ def test_a_parameter_whose_data_is_replaced_is_sampled_again() -> None:
     assert all(ratio > 1e-4 for ratio in ratios)  # not 0: the new storage was read
 
 
+@pytest.mark.parametrize("probe", ["whole"], indirect=True)
+def test_whole_copies_read_a_weight_whose_storage_is_replaced(probe: str) -> None:
+    """The whole probe keeps each weight's flat view from step to step: a weight whose
+    storage the user replaces (``param.data = ...``: a new tensor at step 3, a transposed,
+    non-contiguous one at step 6, contiguous again at step 9) is read where it now lies, and
+    every step's update is the one SGD applied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sink = MemorySink()
+    expected = {}
+    with gradtrack.watch(
+        model, backend=sink, optimizer=optimizer, log_every=1, update_signals=True
+    ) as watcher:
+        assert isinstance(watcher.judge.signals.updates, WholeUpdateProbe)
+        for step in range(12):
+            if step == 3:
+                model[0].weight.data = model[0].weight.data.clone() * 0.5
+            elif step == 6:
+                model[2].weight.data = model[2].weight.data.t().contiguous().t()
+                assert not model[2].weight.is_contiguous()
+            elif step == 9:
+                model[2].weight.data = model[2].weight.data.contiguous()
+            expected[step] = train_on_small_batches(model, optimizer, 1, ("0", "2", "4"))[0]
+    assert [r.step for r in sink.records] == list(range(12))
+    for record in sink.records:
+        ratios = record.update_ratios()
+        assert ratios is not None
+        np.testing.assert_allclose(ratios, expected[record.step], rtol=1e-4)
+
+
 def test_without_an_optimizer_the_watching_line_says_what_is_missing_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

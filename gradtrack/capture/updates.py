@@ -272,6 +272,11 @@ class WholeUpdateProbe:
         self._numel = sum(p.numel() for p in self._params)
         self._offsets = start_offsets([p.numel() for p in self._params])
         self._before: Tensor | None = None
+        # Each weight as a flat view, made once and remade when a parameter's storage is
+        # replaced: one ``cat`` into the copy (a third of flattening the weights anew and
+        # copying the result). None while a weight is not contiguous (no view of it flat).
+        self._flat: list[Tensor] | None = None
+        self._viewed: list[int] = []
 
     def before(self) -> None:
         self._before = self._copy()
@@ -281,5 +286,12 @@ class WholeUpdateProbe:
         return FlatUpdate(self._before, self._copy(), self._offsets)
 
     def _copy(self) -> Tensor:
+        storages = [p.data_ptr() for p in self._params]
+        if storages != self._viewed:
+            self._viewed = storages
+            contiguous = all(p.is_contiguous() for p in self._params)
+            self._flat = [p.detach().view(-1) for p in self._params] if contiguous else None
         with torch.no_grad():
-            return self._copies.copy(self._params, self._numel)
+            if self._flat is None:
+                return self._copies.copy(self._params, self._numel)
+            return self._copies.copy_flat(self._flat, self._numel)

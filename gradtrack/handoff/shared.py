@@ -21,6 +21,7 @@ import mmap
 import os
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -44,8 +45,8 @@ class SharedCopies:
         self._tail = 0  # ... of which free again
         self._held: deque[tuple[int, int]] = deque()  # (flag, its copy's end), oldest first
         self._laid = 0  # copies laid so far (a copy's flag: its number modulo `_FLAGS`)
-        self._where: dict[int, int] = {}  # a copy's address → its flag, until it crosses
-        self._unsent: set[int] = set()  # flags of copies laid that have not crossed
+        self._floats = self._data.view(torch.float32)  # (copies are sliced from it: one op)
+        self._uncrossed: dict[int, _Laid] = {}  # a copy's address → its flag, until it crosses
         # Flags change only in the process that mapped the ring: a process forked from it
         # (a DataLoader worker) that collects an object it inherited must not free its room.
         self._pid = os.getpid()
@@ -83,10 +84,9 @@ class SharedCopies:
         self._laid += 1
         self._flags[flag] = 1
         self._held.append((flag, self._head))
-        copy = self._data[start : start + numel * 4].view(torch.float32)
-        self._where[copy.data_ptr()] = flag
-        self._unsent.add(flag)
-        weakref.finalize(copy, self._dropped, flag, copy.data_ptr())
+        copy = self._floats[start // 4 : start // 4 + numel]
+        address = self._base + start
+        self._uncrossed[address] = _Laid(copy, self._dropped, flag, address)
         return copy
 
     def holds(self, tensor: Tensor) -> bool:
@@ -96,21 +96,19 @@ class SharedCopies:
     def crossing(self, tensor: Tensor) -> tuple[int, int, int] | None:
         """How ``tensor``, a copy laid here, crosses to the worker process: its offset, its
         elements and its flag (the worker process clears the flag); None if it is not one."""
-        flag = self._where.pop(tensor.data_ptr(), None) if self.holds(tensor) else None
-        if flag is None:
+        laid = self._uncrossed.pop(tensor.data_ptr(), None) if self.holds(tensor) else None
+        if laid is None:
             return None
-        self._unsent.discard(flag)
-        return tensor.data_ptr() - self._base, tensor.numel(), flag
+        return laid.address - self._base, tensor.numel(), laid.flag
 
-    def _dropped(self, flag: int, address: int) -> None:
-        """A copy let go here: where it never crossed, its room is free again."""
+    def _dropped(self, laid: _Laid) -> None:
+        """A copy let go here before it crossed (a step dropped from a full queue): its room
+        is free again."""
         if os.getpid() != self._pid:
             return
-        if self._where.get(address) == flag:  # (first: the room may be laid again after)
-            del self._where[address]
-        if flag in self._unsent:
-            self._unsent.discard(flag)
-            self._flags[flag] = 0
+        if self._uncrossed.get(laid.address) is laid:
+            del self._uncrossed[laid.address]
+            self._flags[laid.flag] = 0
 
     def _reclaim(self) -> None:
         """Free the room of the oldest copies the worker process (or this one) let go."""
@@ -128,6 +126,26 @@ class SharedCopies:
     def _let_go(self, flag: int) -> None:
         if os.getpid() == self._pid:
             self._flags[flag] = 0
+
+
+class _Laid(weakref.ref):
+    """A copy laid in the ring that has not crossed yet: its flag and address, and a call to
+    `SharedCopies._dropped` if the copy is let go first (a weak reference with a callback:
+    a third of the cost of a ``weakref.finalize``, on every copy of a logged step)."""
+
+    __slots__ = ("address", "flag")
+    flag: int
+    address: int
+
+    def __new__(
+        cls, copy: Tensor, dropped: Callable[[_Laid], None], flag: int, address: int
+    ) -> _Laid:
+        laid = super().__new__(cls, copy, dropped)
+        laid.flag, laid.address = flag, address
+        return laid
+
+    def __init__(self, *_args: object) -> None:  # (`__new__` made it: ref's own takes two)
+        pass
 
 
 # The worker process's ring, once `attach`ed (`shared_copy` reads from it).
