@@ -26,6 +26,7 @@ from gradtrack.log import logger, show_in_terminal
 from gradtrack.sinks import Backend, build_sinks
 from gradtrack.sinks.base import GradientSink
 from gradtrack.watcher import Watcher, watcher_of
+from gradtrack.worker.process import spawn_early
 
 if TYPE_CHECKING:
     from typing import Self
@@ -96,12 +97,19 @@ def open_watcher(
     if not config.enabled:
         logger.info("off (enabled=False or GRADTRACK_DISABLED=1): nothing is watched")
         return NullWatcher(model, config)
-    sinks = build_sinks(backend(), config) if writes_to_sinks(config) else []
+    writes = writes_to_sinks(config)
+    spec = backend() if writes else None
+    # A worker process that will run apart starts now: its imports overlap the sinks' own.
+    spawned = spawn_early(spec, config) if writes else None
+    sinks: list[GradientSink] = []
     try:
-        watcher = Watcher(model, sinks, config, **options)
+        sinks = build_sinks(spec, config) if writes else []  # type: ignore[arg-type]
+        watcher = Watcher(model, sinks, config, spawned=spawned, **options)
     except BaseException:
         for sink in sinks:
             sink.close()
+        if spawned is not None:
+            spawned.close()
         raise
     if sinks:
         missing = watcher.judge.signals.missing

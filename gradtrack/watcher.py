@@ -39,7 +39,7 @@ from gradtrack.log import logger, report
 from gradtrack.sinks import finish_in_caller_thread
 from gradtrack.sinks.base import GradientSink
 from gradtrack.worker.assemble import AssemblerPlan
-from gradtrack.worker.process import WorkerProcess, runs_apart
+from gradtrack.worker.process import Spawned, WorkerProcess, runs_apart
 from gradtrack.worker.thread import AlertActions, Worker
 
 AlertCallback = Callable[[AlertEvent], None]
@@ -65,7 +65,10 @@ class Watcher:
         scaler: torch.amp.GradScaler | None = None,
         on_alert: AlertCallback | None = None,
         steps: StepSource = "auto",
+        spawned: Spawned | None = None,
     ) -> None:
+        """``spawned``: the worker process `gradtrack.worker.process.spawn_early` started for
+        these sinks, taken where the worker runs apart, else ended."""
         inner = unwrap_model(model)
         _refuse_watched(inner)
         scaler = scaler or scaler_of(optimizer)  # (Accelerate's fp16 wrapper carries one)
@@ -98,7 +101,7 @@ class Watcher:
         self.collect_errors = 0
         self.closed = False
         self._steps = steps
-        self._build_step_path(sinks, on_alert, optimizer is not None, scaler is not None)
+        self._build_step_path(sinks, on_alert, optimizer is not None, scaler is not None, spawned)
         try:
             outputs = [module for _, module in watched_outputs]
             self.stepper.attach(
@@ -117,6 +120,7 @@ class Watcher:
         on_alert: AlertCallback | None,
         stepped: bool,
         scaled: bool,
+        spawned: Spawned | None,
     ) -> None:
         """The parts a step passes through, from its verdict to the sinks. ``stepped``: an
         optimizer steps once per step; ``scaled``: a GradScaler's update ends each step."""
@@ -136,11 +140,15 @@ class Watcher:
         self.worker: Worker | WorkerProcess
         if runs_apart(sinks, config):
             try:
-                self.worker = WorkerProcess(self.plan, sinks, self.mailbox, act, self.drops)
+                self.worker = WorkerProcess(
+                    self.plan, sinks, self.mailbox, act, self.drops, spawned
+                )
                 self.collector.whole.shared = self.worker.shared  # (read there in place)
                 return
             except OSError as exc:
                 report(f"gradtrack could not start its worker process ({exc!r}); it is a thread")
+        if spawned is not None:  # (started early for sinks that turned out to stay here)
+            spawned.close()
         assembler = self.plan.assembler(self.alert_engine, self.drops)
         self.worker = Worker(assembler, sinks, self.mailbox, config, act, self.drops)
 

@@ -156,6 +156,73 @@ def test_sinks_that_live_only_here_keep_a_worker_thread(tmp_path: Path) -> None:
         assert isinstance(w.worker, Worker)
 
 
+def children() -> set[int]:
+    """This process's child processes still running or not yet reaped."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # (gone meanwhile)
+            continue
+        if int(fields[1]) == os.getpid():
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_the_worker_process_starts_before_the_sinks_are_built_and_takes_steps_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``backend="mlflow"``: the child that runs the worker is already running while this
+    process builds its sinks (MLflow imported, its store opened), so that its own imports
+    (torch, gradtrack, MLflow's client) overlap those; it is the watch's worker, and every
+    step reaches MLflow."""
+    import gradtrack.api
+
+    seen: list[set[int]] = []
+    build = gradtrack.api.build_sinks
+
+    def build_after_looking(*args: object) -> object:
+        seen.append(children())
+        return build(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gradtrack.api, "build_sinks", build_after_looking)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    before = children()
+    with gradtrack.watch(
+        model, backend="mlflow", optimizer=optimizer, log_every=1, mlflow={"tracking_uri": uri}
+    ) as watcher:
+        assert isinstance(watcher.worker, WorkerProcess)
+        assert seen and watcher.worker.pid in seen[0] - before
+        train(model, optimizer, range(50))
+    assert stored_steps(uri, watcher.sinks[0].run_id) == list(range(50))
+    assert children() == before
+
+
+def test_a_worker_process_started_for_a_watch_that_fails_or_stays_here_is_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child started early is ended, not left behind, where the watch fails after it
+    started (here: the model is watched already), and where the sinks turn out to be ones
+    that live only in this process (a user's own sink registered as "mlflow")."""
+    from gradtrack.sinks import MemorySink
+    from gradtrack.sinks.base import _REGISTRY
+
+    options = {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    model = mlp()
+    before = children()
+    with gradtrack.watch(model, backend="memory"):
+        with pytest.raises(gradtrack.GradtrackError, match="already watched"):
+            gradtrack.watch(model, backend="mlflow", mlflow=options)
+        assert children() == before
+    monkeypatch.setitem(_REGISTRY, "mlflow", lambda config: MemorySink())
+    with gradtrack.watch(mlp(), backend="mlflow") as watcher:
+        assert isinstance(watcher.worker, Worker)
+        assert children() == before
+
+
 @pytest.mark.slow
 def test_a_worker_process_that_dies_is_told_once_and_sync_delivers_what_it_held(
     tmp_path: Path, spool_in_tmp: Path, told: Told

@@ -104,6 +104,34 @@ def from_recipe(recipe: dict[str, Any]) -> GradientSink:
     raise GradtrackError(f"a worker process cannot make a {backend!r} sink; it knows: mlflow")
 
 
+def made_apart(backend: object, config: GradtrackConfig) -> list[str] | None:
+    """Where ``backend`` names only trackers a worker process can make (`from_recipe`), what
+    that process imports ahead (`preload_in_worker`); None otherwise."""
+    names = [backend] if isinstance(backend, str) else backend
+    if not isinstance(names, Sequence) or not names or any(name != "mlflow" for name in names):
+        return None
+    from gradtrack.sinks.mlflow_tracking import preload_kind
+
+    return [f"mlflow:{preload_kind(config.mlflow)}"]
+
+
+def preload_in_worker(names: Sequence[str]) -> None:
+    """In a worker process started early, while it waits for its set-up: the imports its
+    worker and the trackers named by `made_apart` need. Never fails: what is missing is
+    imported, or reported, when the sink is made."""
+    try:
+        import gradtrack.worker.thread  # noqa: F401
+
+        for name in names:
+            backend, _, kind = name.partition(":")
+            if backend == "mlflow":
+                from gradtrack.sinks.mlflow_tracking import preload
+
+                preload(kind)
+    except Exception:  # (e.g. MLflow not installed: the sink says so, where it is made)
+        pass
+
+
 def finish_in_caller_thread(sinks: Sequence[GradientSink]) -> list[str]:
     """After the sinks closed, in the thread that closes the watcher (MLflow's active run is
     per thread): each sink's `SinkBase.end_shared_run` — a run the MLflow sink shared with the
@@ -137,6 +165,8 @@ __all__ = [
     "create_sink",
     "finish_in_caller_thread",
     "from_recipe",
+    "made_apart",
+    "preload_in_worker",
     "register_sink",
     "registered_sinks",
 ]

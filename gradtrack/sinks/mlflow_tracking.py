@@ -87,9 +87,36 @@ class Tracking(Protocol):
 
 
 def connect(tracking_uri: str, timeout_s: float) -> Tracking:
-    if tracking_uri.startswith(("http://", "https://")):
+    if _is_rest(tracking_uri):
         return RestTracking(tracking_uri, timeout_s)
     return ClientTracking(tracking_uri)
+
+
+def _is_rest(tracking_uri: str | None) -> bool:
+    return tracking_uri is not None and tracking_uri.startswith(("http://", "https://"))
+
+
+def configured_uri(options: MlflowOptions) -> str | None:
+    """The tracking URI a sink of ``options`` uses, where one is set (the config's, else
+    ``MLFLOW_TRACKING_URI``); None: MLflow's default, a local store."""
+    given = options.tracking_uri.get_secret_value() if options.tracking_uri else None
+    return given or os.environ.get("MLFLOW_TRACKING_URI")
+
+
+def preload_kind(options: MlflowOptions) -> str:
+    """What `preload` imports for a sink of ``options``: ``rest`` (a server) or ``local``."""
+    return "rest" if _is_rest(configured_uri(options)) else "local"
+
+
+def preload(kind: str) -> None:
+    """Import MLflow's client and, for a local store (``kind``), its SQL store: seconds of
+    imports that a worker process makes while it waits for its set-up
+    (`gradtrack.worker.process.spawn_early`), not at its first send, beside the worker
+    summarising training's first steps."""
+    import mlflow
+
+    if kind == "local":
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
 
 class ClientTracking:
@@ -339,8 +366,7 @@ class MlflowRun:
 
     def __init__(self, options: MlflowOptions, run_id: str | None = None) -> None:
         self.options = options
-        given = options.tracking_uri.get_secret_value() if options.tracking_uri else None
-        self.tracking_uri = given or os.environ.get("MLFLOW_TRACKING_URI")
+        self.tracking_uri = configured_uri(options)
         self.run_id = run_id
         self.owns_run = False
         # The run is also MLflow's active run in the thread that made this sink (the user's).

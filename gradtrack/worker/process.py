@@ -49,6 +49,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from gradtrack.capture.distributed import writes_to_sinks
 from gradtrack.config import GradtrackConfig
 from gradtrack.delivery.courier import (
     DeliveryState,
@@ -70,6 +71,7 @@ from gradtrack.handoff.mailbox import (
 from gradtrack.handoff.shared import SharedCopies, attach, shared_copy
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import logger, report
+from gradtrack.sinks import made_apart, preload_in_worker
 from gradtrack.sinks.base import GradientSink, as_sink_base
 from gradtrack.worker.assemble import AssemblerPlan
 
@@ -111,6 +113,51 @@ class _Report:
 
 
 # -- the training process's side -------------------------------------------------------------
+@dataclass
+class Spawned:
+    """A child started and not yet set up: the process, its two pipes and the ring of copies
+    it maps. `spawn_early` starts one before a watch builds its sinks, `WorkerProcess` sets
+    it up (or starts its own); `close` ends one that no watch took."""
+
+    process: subprocess.Popen[bytes]
+    to_child: Connection
+    from_child: Connection
+    shared: SharedCopies | None
+
+    @classmethod
+    def start(cls, preload: Sequence[str] = ()) -> Spawned:
+        """A child that imports ``preload`` (`gradtrack.sinks.preload_in_worker`) while it
+        waits for its set-up."""
+        shared = SharedCopies.create()
+        return cls(*_spawn(shared, preload), shared)
+
+    def close(self) -> None:
+        """End a child no watch took (it holds nothing yet: no wait for its imports)."""
+        for connection in (self.to_child, self.from_child):
+            connection.close()
+        self.process.terminate()
+        self.process.wait()
+
+
+def spawn_early(backend: object, config: GradtrackConfig) -> Spawned | None:
+    """The child of a watch that will run its worker apart, started before the watch builds
+    its sinks, where ``backend`` names only trackers a child can make (`runs_apart`):
+    its imports (torch, gradtrack, the tracker's client: ~4 s here) then overlap the
+    training process's own (MLflow's, and its store opened: ~3 s), and the child is ready
+    to take steps about when ``watch()`` returns instead of seconds into training. None
+    where the worker will not run apart, or the child could not start (`WorkerProcess`
+    then starts one, or reports why not)."""
+    if not config.delivery.process or os.name != "posix" or not sys.executable:
+        return None
+    preload = made_apart(backend, config) if writes_to_sinks(config) else None
+    if preload is None:
+        return None
+    try:
+        return Spawned.start(preload)
+    except OSError:
+        return None
+
+
 class WorkerProcess:
     """The watch's `Worker`, run in a child process, as the training process sees it: the
     same members the `Watcher` uses (`request`, `sinks`, `sink_errors`, `sync_hint`)."""
@@ -122,6 +169,7 @@ class WorkerProcess:
         mailbox: Mailbox,
         act: Callable[[AlertEvent], None],
         drops: DropCount,
+        spawned: Spawned | None = None,
     ) -> None:
         self._sinks = list(sinks)
         self._mailbox = mailbox
@@ -143,9 +191,11 @@ class WorkerProcess:
         self._stopping = False
         self._gone = threading.Event()  # the child exited (its end of the pipe closed)
         setup = _Setup(plan, [as_sink_base(sink).recipe() or {} for sink in self._sinks])
+        spawned = spawned or Spawned.start()
         # Where the training thread lays a small step's copies, read by the child in place.
-        self.shared = SharedCopies.create()
-        self._process, self._to_child, self._from_child = _spawn(self.shared)
+        self.shared = spawned.shared
+        self._process, self._to_child = spawned.process, spawned.to_child
+        self._from_child = spawned.from_child
         self._feeder = threading.Thread(
             target=self._feed, args=(setup,), name="gradtrack-feed", daemon=True
         )
@@ -421,13 +471,17 @@ def _host_rows(item: QueuedStep, shared: SharedCopies | None) -> None:
             part.stats()
 
 
-def _spawn(shared: SharedCopies | None) -> tuple[subprocess.Popen[bytes], Connection, Connection]:
+def _spawn(
+    shared: SharedCopies | None, preload: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], Connection, Connection]:
     """Start the child with two pipes of its own (not its stdin or stdout, which stay the
-    terminal's: a tracker's SDK may print), and the shared copies' file."""
+    terminal's: a tracker's SDK may print), the shared copies' file, and what it imports
+    while it waits for its set-up."""
     to_child_read, to_child = os.pipe()
     from_child, from_child_write = os.pipe()
     copies = () if shared is None else (shared.fd,)
     told = ["-", "0"] if shared is None else [str(shared.fd), str(shared.size)]
+    told += preload
     env = {**os.environ, _PATH_VARIABLE: json.dumps(sys.path)}
     code = (
         f"import json, os, sys; sys.path[:] = json.loads(os.environ.pop({_PATH_VARIABLE!r})); "
@@ -552,7 +606,8 @@ class _LogUp(logging.Handler):
 
 def main(argv: Sequence[str]) -> None:
     """The worker process: ``argv`` holds the two pipes' file descriptors (from, to the
-    training process), and the shared copies' file and size (``-`` without)."""
+    training process), the shared copies' file and size (``-`` without), then the trackers
+    whose clients to import before the set-up comes (`spawn_early`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     yield_cpu_to_training()  # (before any thread starts: each inherits it)
     torch.set_num_threads(1)  # the cores are training's
@@ -563,7 +618,12 @@ def main(argv: Sequence[str]) -> None:
     logger.addHandler(_LogUp(up))
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    child = _Child(inbox.recv(), up)
+    preload_in_worker(argv[4:])
+    try:
+        setup = inbox.recv()
+    except (EOFError, OSError):  # started early for a watch that did not take it
+        return
+    child = _Child(setup, up)
     child.serve(inbox)
 
 
