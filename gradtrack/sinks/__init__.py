@@ -116,12 +116,10 @@ def made_apart(backend: object, config: GradtrackConfig) -> list[str] | None:
 
 
 def preload_in_worker(names: Sequence[str]) -> None:
-    """In a worker process started early, while it waits for its set-up: the imports its
-    worker and the trackers named by `made_apart` need. Never fails: what is missing is
-    imported, or reported, when the sink is made."""
+    """In a worker process started early, while it waits for its set-up: the imports the
+    trackers named by `made_apart` need. Never fails: what is missing is imported, or
+    reported, when the sink is made."""
     try:
-        import gradtrack.worker.thread  # noqa: F401
-
         for name in names:
             backend, _, kind = name.partition(":")
             if backend == "mlflow":

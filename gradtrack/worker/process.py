@@ -49,7 +49,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from gradtrack.capture.distributed import writes_to_sinks
 from gradtrack.config import GradtrackConfig
 from gradtrack.delivery.courier import (
     DeliveryState,
@@ -146,10 +145,11 @@ def spawn_early(backend: object, config: GradtrackConfig) -> Spawned | None:
     training process's own (MLflow's, and its store opened: ~3 s), and the child is ready
     to take steps about when ``watch()`` returns instead of seconds into training. None
     where the worker will not run apart, or the child could not start (`WorkerProcess`
-    then starts one, or reports why not)."""
+    then starts one, or reports why not). Asked only by a process that writes to sinks
+    (`gradtrack.capture.distributed.writes_to_sinks`: a coordinated job's rank 0)."""
     if not config.delivery.process or os.name != "posix" or not sys.executable:
         return None
-    preload = made_apart(backend, config) if writes_to_sinks(config) else None
+    preload = made_apart(backend, config)
     if preload is None:
         return None
     try:
@@ -618,6 +618,8 @@ def main(argv: Sequence[str]) -> None:
     logger.addHandler(_LogUp(up))
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    import gradtrack.worker.thread  # noqa: F401  (the worker's modules, with its trackers')
+
     preload_in_worker(argv[4:])
     try:
         setup = inbox.recv()
