@@ -580,7 +580,8 @@ _DOING = {"close": "ending its run (its last pictures and files)", "flush": "flu
 class GiveWay:
     """A tracker's writes give way to the worker while it is behind — more steps wait for it
     than ``steps`` — yet keep `SHARE` of the time: after a send, the next waits at most
-    three times as long as that send took (at least `FLOOR_S`). A batch of MLflow's metrics
+    (1 − `SHARE`) / `SHARE` times as long as that send took (three times; at least
+    `FLOOR_S`). A batch of MLflow's metrics
     holds the GIL for seconds (its SQL store's ORM). In a worker process that cannot keep up
     with both, the steps it has not reduced fill the ring the training process lays their
     copies in, and past the ring the training process reduces them itself, holding the GIL

@@ -283,10 +283,17 @@ class TensorIndex:
         return len(self.tensor_layer)
 
     def rank_layer_norms(self, local_norms: np.ndarray) -> np.ndarray:
-        """[ranks, tensors] local tensor norms → [ranks, layers] local layer norms."""
+        """[ranks, tensors] local tensor norms → [ranks, layers] local layer norms, combined
+        as the record's own (`root_sum_squares`: fp64 norms whose squares would overflow
+        stay finite).
+
+        >>> index = TensorIndex(("fc",), np.array([0, 0]), np.array([4, 4]))
+        >>> index.rank_layer_norms(np.array([[3.0, 4.0], [3e200, 4e200]]))
+        array([[5.e+000],
+               [5.e+200]])
+        """
         n = len(self.layer_names)
-        squares = [np.bincount(self.tensor_layer, row * row, minlength=n) for row in local_norms]
-        return np.sqrt(np.stack(squares))
+        return np.stack([root_sum_squares(row, self.tensor_layer, n) for row in local_norms])
 
     def layer_update_norms(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per layer (every layer): ‖W‖ and ‖ΔW‖ from the per-tensor rows of `UpdateProbe.after`.
