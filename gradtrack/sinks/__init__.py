@@ -104,30 +104,11 @@ def from_recipe(recipe: dict[str, Any]) -> GradientSink:
     raise GradtrackError(f"a worker process cannot make a {backend!r} sink; it knows: mlflow")
 
 
-def made_apart(backend: object, config: GradtrackConfig) -> list[str] | None:
-    """Where ``backend`` names only trackers a worker process can make (`from_recipe`), what
-    that process imports ahead (`preload_in_worker`); None otherwise."""
+def made_apart(backend: object) -> bool:
+    """Whether ``backend`` names only trackers a worker process can make (`from_recipe`):
+    the watch's worker will run in a child (`gradtrack.worker.process.spawn_early`)."""
     names = [backend] if isinstance(backend, str) else backend
-    if not isinstance(names, Sequence) or not names or any(name != "mlflow" for name in names):
-        return None
-    from gradtrack.sinks.mlflow_tracking import preload_kind
-
-    return [f"mlflow:{preload_kind(config.mlflow)}"]
-
-
-def preload_in_worker(names: Sequence[str]) -> None:
-    """In a worker process started early, while it waits for its set-up: the imports the
-    trackers named by `made_apart` need. Never fails: what is missing is imported, or
-    reported, when the sink is made."""
-    try:
-        for name in names:
-            backend, _, kind = name.partition(":")
-            if backend == "mlflow":
-                from gradtrack.sinks.mlflow_tracking import preload
-
-                preload(kind)
-    except Exception:  # (e.g. MLflow not installed: the sink says so, where it is made)
-        pass
+    return isinstance(names, Sequence) and bool(names) and all(n == "mlflow" for n in names)
 
 
 def finish_in_caller_thread(sinks: Sequence[GradientSink]) -> list[str]:
@@ -164,7 +145,6 @@ __all__ = [
     "finish_in_caller_thread",
     "from_recipe",
     "made_apart",
-    "preload_in_worker",
     "register_sink",
     "registered_sinks",
 ]

@@ -103,22 +103,6 @@ def configured_uri(options: MlflowOptions) -> str | None:
     return given or os.environ.get("MLFLOW_TRACKING_URI")
 
 
-def preload_kind(options: MlflowOptions) -> str:
-    """What `preload` imports for a sink of ``options``: ``rest`` (a server) or ``local``."""
-    return "rest" if _is_rest(configured_uri(options)) else "local"
-
-
-def preload(kind: str) -> None:
-    """Import MLflow's client and, for a local store (``kind``), its SQL store: seconds of
-    imports that a worker process makes while it waits for its set-up
-    (`gradtrack.worker.process.spawn_early`), not at its first send, beside the worker
-    summarising training's first steps."""
-    import mlflow
-
-    if kind == "local":
-        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
-
-
 class ClientTracking:
     """Through `MlflowClient`: local stores, where there is no network to fail."""
 

@@ -70,7 +70,7 @@ from gradtrack.handoff.mailbox import (
 from gradtrack.handoff.shared import SharedCopies, attach, shared_copy
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import logger, report
-from gradtrack.sinks import made_apart, preload_in_worker
+from gradtrack.sinks import made_apart
 from gradtrack.sinks.base import GradientSink, as_sink_base
 from gradtrack.worker.assemble import AssemblerPlan
 
@@ -124,11 +124,10 @@ class Spawned:
     shared: SharedCopies | None
 
     @classmethod
-    def start(cls, preload: Sequence[str] = ()) -> Spawned:
-        """A child that imports ``preload`` (`gradtrack.sinks.preload_in_worker`) while it
-        waits for its set-up."""
+    def start(cls) -> Spawned:
+        """A child and its ring, the child importing its worker while it waits."""
         shared = SharedCopies.create()
-        return cls(*_spawn(shared, preload), shared)
+        return cls(*_spawn(shared), shared)
 
     def close(self) -> None:
         """End a child no watch took (it holds nothing yet: no wait for its imports)."""
@@ -140,20 +139,21 @@ class Spawned:
 
 def spawn_early(backend: object, config: GradtrackConfig) -> Spawned | None:
     """The child of a watch that will run its worker apart, started before the watch builds
-    its sinks, where ``backend`` names only trackers a child can make (`runs_apart`):
-    its imports (torch, gradtrack, the tracker's client: ~4 s here) then overlap the
-    training process's own (MLflow's, and its store opened: ~3 s), and the child is ready
-    to take steps about when ``watch()`` returns instead of seconds into training. None
-    where the worker will not run apart, or the child could not start (`WorkerProcess`
-    then starts one, or reports why not). Asked only by a process that writes to sinks
-    (`gradtrack.capture.distributed.writes_to_sinks`: a coordinated job's rank 0)."""
+    its sinks, where ``backend`` names only trackers a child can make (`runs_apart`): its
+    imports (torch and gradtrack's worker, ~1.5 s here) overlap the training process's
+    building of the sinks (MLflow imported, its store opened: 1–3 s), and it takes steps
+    off the pipe about when ``watch()`` returns. (It does not import the tracker's client
+    ahead: an import in the child holds up taking its first steps, and steps wait in the
+    training process until they are taken.) None where the worker will not run apart, or
+    the child could not start (`WorkerProcess` then starts one, or reports why not). Asked
+    only by a process that writes to sinks (`gradtrack.capture.distributed.writes_to_sinks`:
+    a coordinated job's rank 0)."""
     if not config.delivery.process or os.name != "posix" or not sys.executable:
         return None
-    preload = made_apart(backend, config)
-    if preload is None:
+    if not made_apart(backend):
         return None
     try:
-        return Spawned.start(preload)
+        return Spawned.start()
     except OSError:
         return None
 
@@ -471,17 +471,13 @@ def _host_rows(item: QueuedStep, shared: SharedCopies | None) -> None:
             part.stats()
 
 
-def _spawn(
-    shared: SharedCopies | None, preload: Sequence[str] = ()
-) -> tuple[subprocess.Popen[bytes], Connection, Connection]:
+def _spawn(shared: SharedCopies | None) -> tuple[subprocess.Popen[bytes], Connection, Connection]:
     """Start the child with two pipes of its own (not its stdin or stdout, which stay the
-    terminal's: a tracker's SDK may print), the shared copies' file, and what it imports
-    while it waits for its set-up."""
+    terminal's: a tracker's SDK may print), and the shared copies' file."""
     to_child_read, to_child = os.pipe()
     from_child, from_child_write = os.pipe()
     copies = () if shared is None else (shared.fd,)
     told = ["-", "0"] if shared is None else [str(shared.fd), str(shared.size)]
-    told += preload
     env = {**os.environ, _PATH_VARIABLE: json.dumps(sys.path)}
     code = (
         f"import json, os, sys; sys.path[:] = json.loads(os.environ.pop({_PATH_VARIABLE!r})); "
@@ -606,8 +602,8 @@ class _LogUp(logging.Handler):
 
 def main(argv: Sequence[str]) -> None:
     """The worker process: ``argv`` holds the two pipes' file descriptors (from, to the
-    training process), the shared copies' file and size (``-`` without), then the trackers
-    whose clients to import before the set-up comes (`spawn_early`)."""
+    training process), and the shared copies' file and size (``-`` without). Started early
+    (`spawn_early`), it imports its worker before its set-up comes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     yield_cpu_to_training()  # (before any thread starts: each inherits it)
     torch.set_num_threads(1)  # the cores are training's
@@ -618,9 +614,8 @@ def main(argv: Sequence[str]) -> None:
     logger.addHandler(_LogUp(up))
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    import gradtrack.worker.thread  # noqa: F401  (the worker's modules, with its trackers')
+    import gradtrack.worker.thread  # noqa: F401  (the worker's modules, before its set-up)
 
-    preload_in_worker(argv[4:])
     try:
         setup = inbox.recv()
     except (EOFError, OSError):  # started early for a watch that did not take it
