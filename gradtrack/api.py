@@ -97,13 +97,15 @@ def open_watcher(
     if not config.enabled:
         logger.info("off (enabled=False or GRADTRACK_DISABLED=1): nothing is watched")
         return NullWatcher(model, config)
-    writes = writes_to_sinks(config)
-    spec = backend() if writes else None
-    # A worker process that will run apart starts now: its imports overlap the sinks' own.
-    spawned = spawn_early(spec, config) if writes else None
     sinks: list[GradientSink] = []
+    spawned = None
     try:
-        sinks = build_sinks(spec, config) if writes else []  # type: ignore[arg-type]
+        if writes_to_sinks(config):
+            spec = backend()
+            # A worker process that will run apart starts now: its imports overlap the
+            # building of the sinks.
+            spawned = spawn_early(spec, config)
+            sinks = build_sinks(spec, config)
         watcher = Watcher(model, sinks, config, spawned=spawned, **options)
     except BaseException:
         for sink in sinks:

@@ -46,7 +46,7 @@ class SharedCopies:
         self._held: deque[tuple[int, int]] = deque()  # (flag, its copy's end), oldest first
         self._laid = 0  # copies laid so far (a copy's flag: its number modulo `_FLAGS`)
         self._floats = self._data.view(torch.float32)  # (copies are sliced from it: one op)
-        self._uncrossed: dict[int, _Laid] = {}  # a copy's address → its flag, until it crosses
+        self._uncrossed: dict[int, _Laid] = {}  # a copy's address → it, until it crosses
         # Flags change only in the process that mapped the ring: a process forked from it
         # (a DataLoader worker) that collects an object it inherited must not free its room.
         self._pid = os.getpid()
