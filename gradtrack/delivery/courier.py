@@ -581,12 +581,11 @@ class GiveWay:
     """A tracker's writes give way to the worker while it is behind — more steps wait for it
     than ``steps`` — yet keep `SHARE` of the time: after a send, the next waits at most
     (1 − `SHARE`) / `SHARE` times as long as that send took (three times; at least
-    `FLOOR_S`). A batch of MLflow's metrics
-    holds the GIL for seconds (its SQL store's ORM). In a worker process that cannot keep up
-    with both, the steps it has not reduced fill the ring the training process lays their
-    copies in, and past the ring the training process reduces them itself, holding the GIL
-    training needs; what the tracker has not taken waits in the spool, all of it delivered
-    by ``close()``."""
+    `FLOOR_S`). A batch of MLflow's metrics holds the GIL for seconds (its SQL store's ORM).
+    In a worker process that cannot keep up with both, the steps it has not reduced fill the
+    ring the training process lays their copies in, and past the ring the training process
+    reduces them itself, holding the GIL training needs; what the tracker has not taken
+    waits in the spool, all of it delivered by ``close()``."""
 
     WAIT_S = 0.05  # how long a write waits before its courier looks again
     SHARE = 0.25

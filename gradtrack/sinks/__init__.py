@@ -94,6 +94,10 @@ def build_sinks(
     return sinks
 
 
+# The registered names whose sinks a worker process can make again (`from_recipe`).
+_MADE_APART = ("mlflow",)
+
+
 def from_recipe(recipe: dict[str, Any]) -> GradientSink:
     """The sink a `SinkBase.recipe` describes, made again in a worker process."""
     backend = recipe.get("backend")
@@ -101,14 +105,15 @@ def from_recipe(recipe: dict[str, Any]) -> GradientSink:
         from gradtrack.sinks.mlflow import in_worker_process
 
         return in_worker_process(recipe)
-    raise GradtrackError(f"a worker process cannot make a {backend!r} sink; it knows: mlflow")
+    known = ", ".join(_MADE_APART)
+    raise GradtrackError(f"a worker process cannot make a {backend!r} sink; it knows: {known}")
 
 
 def made_apart(backend: object) -> bool:
     """Whether ``backend`` names only trackers a worker process can make (`from_recipe`):
     the watch's worker will run in a child (`gradtrack.worker.process.spawn_early`)."""
     names = [backend] if isinstance(backend, str) else backend
-    return isinstance(names, Sequence) and bool(names) and all(n == "mlflow" for n in names)
+    return isinstance(names, Sequence) and bool(names) and all(n in _MADE_APART for n in names)
 
 
 def finish_in_caller_thread(sinks: Sequence[GradientSink]) -> list[str]:

@@ -87,20 +87,9 @@ class Tracking(Protocol):
 
 
 def connect(tracking_uri: str, timeout_s: float) -> Tracking:
-    if _is_rest(tracking_uri):
+    if tracking_uri.startswith(("http://", "https://")):
         return RestTracking(tracking_uri, timeout_s)
     return ClientTracking(tracking_uri)
-
-
-def _is_rest(tracking_uri: str | None) -> bool:
-    return tracking_uri is not None and tracking_uri.startswith(("http://", "https://"))
-
-
-def configured_uri(options: MlflowOptions) -> str | None:
-    """The tracking URI a sink of ``options`` uses, where one is set (the config's, else
-    ``MLFLOW_TRACKING_URI``); None: MLflow's default, a local store."""
-    given = options.tracking_uri.get_secret_value() if options.tracking_uri else None
-    return given or os.environ.get("MLFLOW_TRACKING_URI")
 
 
 class ClientTracking:
@@ -350,7 +339,8 @@ class MlflowRun:
 
     def __init__(self, options: MlflowOptions, run_id: str | None = None) -> None:
         self.options = options
-        self.tracking_uri = configured_uri(options)
+        given = options.tracking_uri.get_secret_value() if options.tracking_uri else None
+        self.tracking_uri = given or os.environ.get("MLFLOW_TRACKING_URI")
         self.run_id = run_id
         self.owns_run = False
         # The run is also MLflow's active run in the thread that made this sink (the user's).

@@ -81,14 +81,15 @@ _GONE = "gradtrack's worker process has stopped"
 
 
 def runs_apart(sinks: Sequence[GradientSink], config: GradtrackConfig) -> bool:
-    """Whether a watch's worker runs in a child process: ``delivery.process`` is on, this is
-    POSIX (the pipes are handed over as file descriptors), and every sink can be made there."""
-    return (
-        config.delivery.process
-        and os.name == "posix"
-        and bool(sys.executable)
-        and all(as_sink_base(sink).recipe() is not None for sink in sinks)
-    )
+    """Whether a watch's worker runs in a child process: `_may_run_apart`, and every sink can
+    be made there."""
+    return _may_run_apart(config) and all(as_sink_base(sink).recipe() is not None for sink in sinks)
+
+
+def _may_run_apart(config: GradtrackConfig) -> bool:
+    """``delivery.process`` is on, and this is POSIX (the pipes are handed over as file
+    descriptors) with an interpreter to start."""
+    return config.delivery.process and os.name == "posix" and bool(sys.executable)
 
 
 @dataclass
@@ -148,9 +149,7 @@ def spawn_early(backend: object, config: GradtrackConfig) -> Spawned | None:
     the child could not start (`WorkerProcess` then starts one, or reports why not). Asked
     only by a process that writes to sinks (`gradtrack.capture.distributed.writes_to_sinks`:
     a coordinated job's rank 0)."""
-    if not config.delivery.process or os.name != "posix" or not sys.executable:
-        return None
-    if not made_apart(backend):
+    if not _may_run_apart(config) or not made_apart(backend):
         return None
     try:
         return Spawned.start()
