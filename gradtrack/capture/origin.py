@@ -108,8 +108,13 @@ class OriginProbe:
     def after_forward(self, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        outputs = [leaf for leaf in float_tensors(output) if leaf.requires_grad]
-        if sum(leaf.numel() * leaf.element_size() for leaf in outputs) > MAX_KEPT_OUTPUT_GRAD_BYTES:
+        if type(output) is Tensor:  # (the usual output, in a few attribute reads: every step)
+            one = output.requires_grad and output.is_floating_point()
+            outputs, size = ([output], output.nbytes) if one else ([], 0)
+        else:
+            outputs = [leaf for leaf in float_tensors(output) if leaf.requires_grad]
+            size = sum(leaf.nbytes for leaf in outputs)
+        if size > MAX_KEPT_OUTPUT_GRAD_BYTES:
             self._output_too_large = True  # never hold what training would free
             return
         for leaf in outputs:
