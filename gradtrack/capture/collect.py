@@ -11,7 +11,6 @@ import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -48,6 +47,8 @@ from gradtrack.handoff.layout import (
 from gradtrack.handoff.shared import SharedCopies
 
 _LAYOUT = operator.attrgetter("layout")
+# A layout: each gradient's (None where absent), and whether each parameter requires one.
+_LayoutKey = tuple[tuple[object, ...], tuple[bool, ...]]
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
@@ -119,17 +120,22 @@ class Layouts:
         self._params = params
         self._usable = usable  # the tensor whose statistics are a gradient's
         self._check = check  # raises for a gradient laid out in a way gradtrack refuses
-        self._plans: dict[tuple[tuple[object, ...], tuple[bool, ...]], list[DevicePlan]] = {}
+        self._plans: dict[_LayoutKey, list[DevicePlan]] = {}
+        self._last: tuple[_LayoutKey, list[DevicePlan]] | None = None  # (the last step's)
 
     def plan(self, grads: list[Tensor]) -> list[DevicePlan]:
-        if any(map(operator.is_, grads, repeat(None))):
-            layouts = tuple(None if g is None else g.layout for g in grads)
-        else:  # (the usual case: every gradient is there)
+        try:  # (the usual case: every gradient is there)
             layouts = tuple(map(_LAYOUT, grads))
+        except AttributeError:  # (None, an absent gradient, has no layout)
+            layouts = tuple(None if g is None else g.layout for g in grads)
         key = (layouts, tuple(map(_REQUIRES_GRAD, self._params)))
+        last = self._last
+        if last is not None and key == last[0]:  # (element by element, no hash of the key)
+            return last[1]
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(grads)
+        self._last = key, plan
         return plan
 
     def _plan(self, grads: list[Tensor]) -> list[DevicePlan]:

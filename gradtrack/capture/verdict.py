@@ -181,6 +181,8 @@ class QuietSteps:
         reduces from one copy (`gradtrack.capture.collect.WholeCopies`), judged in this pass
         where it was healthy (then taken into the spike window and the flight recorder, as a
         quiet step is). None leaves no trace, for `StepJudge.plan` to judge it in full."""
+        if self._plan is not None and (self._small is None or not self._handed_whole):
+            return None  # (the layout learnt is not one this pass serves: no gradient read)
         grads = self._gradients()
         if grads is None or self._small is None or not self._handed_whole:
             return None
