@@ -154,6 +154,24 @@ def test_parameter_unfrozen_later_is_picked_up() -> None:
     assert [r.layers for r in sink.records] == [("2",), ("2",), ("0", "2"), ("0", "2")]
 
 
+def test_a_layer_frozen_and_unfrozen_again_with_its_gradient_kept_comes_and_goes() -> None:
+    # zero_grad(set_to_none=False) leaves a frozen layer's gradient in place: only its
+    # requires_grad tells the layouts apart, and the second frozen span must not reuse the
+    # plan of the steps just before it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    sink = MemorySink()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1):
+        for step in range(8):
+            model[0].requires_grad_(step not in (2, 3, 6))
+            optimizer.zero_grad(set_to_none=False)
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            optimizer.step()
+    both, last = ("0", "2"), ("2",)
+    assert [r.layers for r in sink.records] == [both, both, last, last, both, both, last, both]
+
+
 class FailingSink:
     def __init__(self) -> None:
         self.calls = 0
