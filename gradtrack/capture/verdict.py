@@ -228,9 +228,10 @@ class QuietSteps:
         of the same fp32 norms, summed per layer, then the same tests and records. None: not
         healthy, no trace left. ``logged``: the spike vector is taken too, as the window
         stood before this step entered it (what `NormWindow.on_host` gives a record)."""
-        # (a read per norm: on a few dozen 0-d tensors, inside a step, a third of what
-        # stacking them to read once costs: `benchmarks.fastloop`'s tight loop, 12 → 4 µs)
-        plain = [norm.item() for norm in torch._foreach_norm(grads, 2, dtype=self._accumulate)]
+        # (one read of the stacked norms, not an ``.item()`` each: that would be a read per
+        # tensor, which `tests/test_no_sync.py` forbids on the training thread, though on the
+        # CPU it would cost 4 µs where this costs 12)
+        plain = torch.stack(torch._foreach_norm(grads, 2, dtype=self._accumulate)).tolist()
         if self._columns == 1:
             total = sum(norm * norm for norm in plain)
             return QuietLogged(plain, None) if math.isfinite(total) else None
