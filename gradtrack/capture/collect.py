@@ -239,11 +239,11 @@ class WholeCopies:
             return flat_copy(tensors)
         return into.copy_(flatten(tensors) if len(tensors) > 1 else tensors[0].reshape(-1))
 
-    def room(self, numel: int) -> Tensor:
-        """An empty float32 tensor of ``numel`` elements to copy into: laid in the memory the
-        worker process shares where it has room, else an ordinary one."""
+    def copy_flat(self, flat: list[Tensor], numel: int) -> Tensor:
+        """`copy`, of tensors given as their flat views (``numel`` elements in all): one
+        ``cat`` straight into the copy."""
         into = None if self.shared is None else self.shared.empty(numel)
-        return torch.empty(numel) if into is None else into
+        return torch.cat(flat) if into is None else torch.cat(flat, out=into)
 
     def fit(self, tensors: Sequence[Tensor]) -> bool:
         """Whether ``tensors`` (the weights) are handed off whole: none empty."""

@@ -42,7 +42,6 @@ from gradtrack.capture.stats import (
     DeviceIndex,
     accumulation_dtype,
     copy_to_host,
-    flatten,
     pack_offsets,
     packed_squares,
     start_offsets,
@@ -263,17 +262,16 @@ class SampledUpdateProbe:
 class WholeUpdateProbe:
     """`before` and `after` one optimizer step of a small model on the CPU
     (`gradtrack.capture.collect.WholeCopies`):
-    its weights copied end to end each time (one C++ call), both copies in one tensor laid
-    once, for the worker to reduce to the rows the other probes make, exactly
-    (`FlatUpdate.rows`). Memory: two copies of the weights, held from a logged step until the
-    worker took it."""
+    its weights copied end to end each time (one C++ call), for the worker to reduce to the
+    rows the other probes make, exactly (`FlatUpdate.rows`). Memory: two copies of the
+    weights, held from a logged step until the worker took it."""
 
     def __init__(self, params: Sequence[nn.Parameter], copies: WholeCopies) -> None:
         self._params = list(params)
         self._copies = copies  # (laid where the worker reads them)
         self._numel = sum(p.numel() for p in self._params)
         self._offsets = start_offsets([p.numel() for p in self._params])
-        self._pair: Tensor | None = None  # the copy before the step, then room for the one after
+        self._before: Tensor | None = None
         # Each weight as a flat view, made once and remade when a parameter's storage is
         # replaced: one ``cat`` into the copy (a third of flattening the weights anew and
         # copying the result). None while a weight is not contiguous (no view of it flat).
@@ -281,25 +279,19 @@ class WholeUpdateProbe:
         self._viewed: list[int] = []
 
     def before(self) -> None:
-        pair = self._copies.room(2 * self._numel)
-        self._copy(pair[: self._numel])
-        self._pair = pair
+        self._before = self._copy()
 
     def after(self) -> FlatUpdate:
-        pair, self._pair = self._pair, None
-        assert pair is not None, "after() without before()"
-        self._copy(pair[self._numel :])
-        return FlatUpdate(pair, self._offsets)
+        assert self._before is not None, "after() without before()"
+        return FlatUpdate(self._before, self._copy(), self._offsets)
 
-    def _copy(self, into: Tensor) -> None:
+    def _copy(self) -> Tensor:
         storages = [p.data_ptr() for p in self._params]
         if storages != self._viewed:
             self._viewed = storages
             contiguous = all(p.is_contiguous() for p in self._params)
             self._flat = [p.detach().view(-1) for p in self._params] if contiguous else None
-        if self._flat is not None:  # (detached views: no autograd to keep out)
-            torch.cat(self._flat, out=into)
-            return
         with torch.no_grad():
-            params = self._params
-            into.copy_(flatten(params) if len(params) > 1 else params[0].reshape(-1))
+            if self._flat is None:
+                return self._copies.copy(self._params, self._numel)
+            return self._copies.copy_flat(self._flat, self._numel)

@@ -370,30 +370,29 @@ class FlatGrads:
 @dataclass
 class FlatUpdate:
     """A small CPU model's weights copied end to end (float32) just before and just after
-    one optimizer step (`gradtrack.capture.updates.WholeUpdateProbe`), both in one tensor
-    (``weights``: the copy before, then the copy after), for the worker to reduce: two copies
-    on the training thread instead of a dozen reductions. ``offsets``: each tensor's first
-    element in a copy."""
+    one optimizer step (`gradtrack.capture.updates.WholeUpdateProbe`), for the worker to
+    reduce: two copies on the training thread instead of a dozen reductions. ``offsets``:
+    each tensor's first element."""
 
-    weights: Tensor
+    before: Tensor
+    after: Tensor
     offsets: np.ndarray
 
     @property
     def nbytes(self) -> int:
-        return self.weights.nbytes
+        return self.before.nbytes + self.after.nbytes
 
     def rows(self) -> np.ndarray:
         """Per tensor, (‖W‖ before the step, ‖W after − W before‖), float64 ``[tensors, 2]``,
         both exact (squares summed in fp64).
 
-        >>> update = FlatUpdate(torch.tensor([3.0, 4.0, 1.0, 3.0, 4.5, 0.0]), np.array([0, 2]))
+        >>> update = FlatUpdate(torch.tensor([3.0, 4.0, 1.0]), torch.tensor([3.0, 4.5, 0.0]),
+        ...                     np.array([0, 2]))
         >>> update.rows().tolist()
         [[5.0, 0.5], [1.0, 1.0]]
         """
-        weights = self.weights.numpy()
-        half = len(weights) // 2
-        before = weights[:half].astype(np.float64)
-        delta = weights[half:] - before
+        before = self.before.numpy().astype(np.float64)
+        delta = self.after.numpy() - before
         rows = np.empty((len(self.offsets), 2))
         rows[:, 0] = np.add.reduceat(np.square(before, out=before), self.offsets)
         rows[:, 1] = np.add.reduceat(np.square(delta, out=delta), self.offsets)

@@ -456,7 +456,7 @@ def _host_rows(item: QueuedStep, shared: SharedCopies | None) -> None:
 
     update = item.update
     if isinstance(update, FlatUpdate):
-        if apart(update.weights):
+        if apart(update.before) or apart(update.after):
             item.update = torch.from_numpy(update.rows()), None
     elif update is not None:
         rows, ready = update
