@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -57,6 +58,37 @@ def test_a_record_holds_exact_norms_and_its_evidence_by_name() -> None:
     assert record.activation_grad_norms == {"act": 2.5}
     assert set(record.histograms) == {"0", "2"}
     assert step.events == []
+
+
+def test_host_values_pack_as_the_tensors_they_stand_for() -> None:
+    """A CPU model's spike vector and flight rows may come as Python floats: packed, on the
+    host or the device's way, they read back exactly as the same values given as tensors,
+    wherever they fall between unknown fields and tensors."""
+    spike, flight = [0.5, math.nan, 2.0], [7.0, 1.25, 3.5]
+
+    def evidence(as_tensors: bool) -> StepEvidence:
+        def piece(values: list[float]) -> torch.Tensor | list[float]:
+            return torch.tensor(values, dtype=torch.float64) if as_tensors else values
+
+        return StepEvidence(
+            output_finite=torch.tensor(True),
+            activation_norms=[torch.tensor(2.5)],
+            spike=piece(spike),
+            latch=torch.tensor([4.0, 1.0], dtype=torch.float64),
+            flight=piece(flight),
+        )
+
+    layout, values = evidence(True).on_host()
+    for as_tensors in (True, False):
+        for packed_layout, packed in (
+            evidence(as_tensors).on_host(),
+            (evidence(as_tensors).layout(), evidence(as_tensors).on_device(torch.device("cpu"))),
+        ):
+            assert packed_layout == layout
+            np.testing.assert_array_equal(np.asarray(packed, dtype=np.float64), values)
+    read = layout.read(values)
+    np.testing.assert_array_equal(read.spike, spike)
+    assert read.flight.tolist() == flight and read.scalar("output_finite") == 1.0
 
 
 def test_a_nonfinite_step_is_counted_and_alerts() -> None:

@@ -122,14 +122,18 @@ class FlightRecorder:
             slot.copy_(torch.where(hold, slot, fresh))
         self._written += 1
 
-    def take(self) -> Tensor | None:
+    def take(self) -> Tensor | list[float] | None:
         """The rows written since the last take (at most ``capacity``, oldest first), as one
         flat float64 tensor on the ring's device (a copy: the ring goes on); None if there
-        are none. A held ring hands on rows it handed before: `FlightLog.add` drops them."""
+        are none. A held ring hands on rows it handed before: `FlightLog.add` drops them.
+        Rows `record_host` kept, at most `HOST_VALUES` numbers, come as Python floats (what a
+        CPU model's logged step packs without a tensor, see `StepEvidence.on_host`)."""
         count = min(self._written - self._handed, self.capacity)
         self._handed = self._written
         if 0 < count <= len(self._waiting):  # (all kept by `record_host`: read, never again)
             waiting, self._waiting = self._waiting[-count:], []
+            if count * (1 + self.n_layers) <= HOST_VALUES:
+                return _flat_rows(waiting)
             return torch.from_numpy(_rows(waiting).reshape(-1))
         self._settle()
         if count == 0 or self._ring is None:
@@ -145,7 +149,28 @@ class FlightRecorder:
     def take_on_host(self) -> np.ndarray | None:
         """`take`, read on the host (a wait for the device: for the end of training only)."""
         taken = self.take()
+        if isinstance(taken, list):
+            return np.array(taken, dtype=np.float64)
         return None if taken is None else taken.cpu().numpy()
+
+
+# The most numbers `FlightRecorder.take` hands on as Python floats (a few rows of a small
+# model); more come as one tensor, which numpy fills faster than Python lists grow.
+HOST_VALUES = 256
+
+
+def _flat_rows(waiting: list[tuple[int, np.ndarray | list[float]]]) -> list[float]:
+    """The rows `record_host` kept, end to end as Python floats, each step in its total's
+    place.
+
+    >>> _flat_rows([(7, [3.0, 1.0, 2.0]), (8, [5.0, 3.0, 4.0])])
+    [7.0, 1.0, 2.0, 8.0, 3.0, 4.0]
+    """
+    flat: list[float] = []
+    for step, norms in waiting:
+        flat.append(float(step))
+        flat += norms[1:]  # (an array's items are numpy floats: floats too)
+    return flat
 
 
 def _rows(waiting: list[tuple[int, np.ndarray | list[float]]]) -> np.ndarray:

@@ -26,6 +26,7 @@ from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe, WholeUpda
 from gradtrack.capture.verdict import StepPlan
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.event import AlertEvent
+from gradtrack.handoff.layout import HostValues
 from gradtrack.handoff.mailbox import Mailbox, PendingStep, Reply, UpdateFollowUp
 
 OnError = Callable[[int, Exception], None]
@@ -227,7 +228,7 @@ class StepCollector:
         plan: StepPlan,
         probes: Probes,
         backward_order: list[int] | None,
-        evidence_parts: tuple[torch.Tensor | None, torch.Tensor | None],
+        evidence_parts: tuple[torch.Tensor | HostValues | None, torch.Tensor | None],
         origin: dict[str, Any] | None,
     ) -> PendingStep | None:
         """Launch the step's reductions and its copy to the host; None if this rank hands

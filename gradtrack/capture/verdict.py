@@ -44,7 +44,7 @@ from gradtrack.capture.updates import (
 from gradtrack.config import GradtrackConfig
 from gradtrack.config.rules import SKIPPABLE
 from gradtrack.errors import GradientAlertError, GradtrackError
-from gradtrack.handoff.layout import FirstInWindow, spike_fields
+from gradtrack.handoff.layout import FirstInWindow, HostValues, spike_fields
 from gradtrack.handoff.rules import PerStepRules, StepRules, Trip
 
 OnError = Callable[[int, Exception], None]
@@ -69,7 +69,7 @@ class StepPlan:
     logged: bool
     with_samples: bool
     verdict: Verdict
-    spike: torch.Tensor | None
+    spike: torch.Tensor | HostValues | None  # (host values: a small CPU model's, as floats)
     error: GradientAlertError | None  # a skip rule that escalated (max_consecutive)
     first_bad: bool  # the first non-finite step of its ``layer_every`` window
     first_flagged: bool  # that, or the first spiking step of its window
@@ -194,14 +194,13 @@ class QuietSteps:
         # (the plain pass; numpy makes a tensor of a short list in a third of torch's time)
         l2 = torch.from_numpy(np.array(judged.tensor_norms))
         part = DeviceGrads(plan.device, False, plan.tensors, [(plan.slices[0], grads)], l2, True)
-        spike = None if judged.spike is None else torch.from_numpy(np.array(judged.spike))
         return StepPlan(
             step,
             Guard([part], exact=True),  # (exact: the worker reduces the step's copy)
             logged=True,
             with_samples=False,
             verdict=Verdict(True, False, None),
-            spike=spike,
+            spike=judged.spike,  # (packed as floats: `StepEvidence.on_host`)
             error=None,
             first_bad=False,
             first_flagged=False,
@@ -396,7 +395,9 @@ class StepJudge:
         if not plan.guard.exact:
             plan.guard = self.guard(plan.step, exact=True) or plan.guard
 
-    def evidence(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def evidence(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor | HostValues | None, torch.Tensor | None]:
         """The step's spike vector (NaN where its statistics failed) and latch, for its
         record."""
         device = plan.guard.devices[0].device

@@ -23,7 +23,16 @@ from torch import Tensor
 
 from gradtrack.formats.record import root_sum_squares
 
-_UNKNOWN = np.full(1, np.nan)  # (a field a step does not know: one NaN)
+# A vector read on the host as Python floats (a CPU model's spike vector, its flight rows).
+HostValues = list[float]
+
+
+def _length(piece: Tensor | HostValues | None) -> int:
+    """A piece's elements in the packed vector (an unknown one takes one NaN)."""
+    if piece is None:
+        return 1
+    return len(piece) if isinstance(piece, list) else piece.numel()
+
 
 # The output's scalars, which the worker may fill in from a small step's copy.
 _OUTPUT_SCALARS = ("output_finite", "output_grad_finite", "output_grad_norm")
@@ -112,7 +121,9 @@ class StepEvidence:
     tensor's squared micro-batch gradients summed (``micro_squares``,
     `gradtrack.capture.probes`). ``kept_outputs``: a small CPU output not yet checked, which
     the output scalars take in before the evidence is packed (where the step is not copied
-    whole with it).
+    whole with it). The spike vector and the flight rows of a CPU model judged on the host
+    may come as Python floats (`HostValues`): never made into tensors, they are packed as
+    they are.
     """
 
     output_finite: Tensor | None = None
@@ -124,16 +135,18 @@ class StepEvidence:
     activation_norms: list[Tensor | None] = field(default_factory=list)
     rank_norms: Tensor | None = None
     rank_flags: Tensor | None = None
-    spike: Tensor | None = None
+    spike: Tensor | HostValues | None = None
     latch: Tensor | None = None
-    flight: Tensor | None = None
+    flight: Tensor | HostValues | None = None
     micro_squares: Tensor | None = None
     kept_outputs: KeptOutputs | None = None
 
-    def pieces(self) -> list[tuple[str, Tensor | None]]:
+    def pieces(self) -> list[tuple[str, Tensor | HostValues | None]]:
         """(name, tensor) in travelling order; a name repeats for each activation norm."""
         self.check_kept()
-        pieces: list[tuple[str, Tensor | None]] = [(name, getattr(self, name)) for name in SCALARS]
+        pieces: list[tuple[str, Tensor | HostValues | None]] = [
+            (name, getattr(self, name)) for name in SCALARS
+        ]
         pieces += [("activation_norms", norm) for norm in self.activation_norms]
         for name in ("rank_norms", "rank_flags", "spike", "latch", "flight", "micro_squares"):
             if getattr(self, name) is not None:
@@ -155,29 +168,48 @@ class StepEvidence:
 
     def layout(self) -> EvidenceLayout:
         """Where each field lies in the packed vector (an unknown one takes one NaN)."""
-        return EvidenceLayout(
-            tuple((name, 1 if t is None else t.numel()) for name, t in self.pieces())
-        )
+        return EvidenceLayout(tuple((name, _length(t)) for name, t in self.pieces()))
 
     def on_device(self, device: torch.device) -> Tensor:
         """The packed float64 vector on ``device``, for the step's host copy (no host read)."""
         nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
-        return torch.cat(
-            [
-                nan if t is None else t.reshape(-1).to(device, torch.float64, non_blocking=True)
-                for _, t in self.pieces()
-            ]
-        )
+        pieces = []
+        for _, t in self.pieces():
+            if t is None:
+                pieces.append(nan)
+            elif isinstance(t, list):
+                pieces.append(torch.tensor(t, dtype=torch.float64, device=device))
+            else:
+                pieces.append(t.reshape(-1).to(device, torch.float64, non_blocking=True))
+        return torch.cat(pieces)
 
     def on_host(self) -> tuple[EvidenceLayout, np.ndarray]:
         """Its layout and the packed float64 vector, read directly from CPU tensors in one
-        pass (numpy's concatenation casts each piece to float64)."""
-        fields, values = [], []
+        pass (numpy's concatenation casts each piece to float64). Unknown fields and host
+        values run into one Python list: a small model's logged step, whose pieces are all
+        such, makes one array of it (1 µs, where a tensor a piece cost 5)."""
+        fields: list[tuple[str, int]] = []
+        arrays: list[np.ndarray | list[float]] = []
+        floats: list[float] = []  # (the run of unknown fields and host values being read)
         for name, t in self.pieces():
-            value = _UNKNOWN if t is None else t.numpy().reshape(-1)
-            fields.append((name, len(value)))
-            values.append(value)
-        return EvidenceLayout(tuple(fields)), np.concatenate(values, dtype=np.float64)
+            if t is None:
+                floats.append(math.nan)
+                fields.append((name, 1))
+            elif isinstance(t, list):
+                floats += t
+                fields.append((name, len(t)))
+            else:
+                if floats:
+                    arrays.append(floats)
+                    floats = []
+                value = t.numpy().reshape(-1)
+                fields.append((name, len(value)))
+                arrays.append(value)
+        if not arrays:
+            return EvidenceLayout(tuple(fields)), np.array(floats, dtype=np.float64)
+        if floats:
+            arrays.append(floats)
+        return EvidenceLayout(tuple(fields)), np.concatenate(arrays, dtype=np.float64)
 
 
 def _and(previous: Tensor | None, current: Tensor) -> Tensor:

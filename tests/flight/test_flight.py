@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradtrack
-from gradtrack.capture.flight_ring import FlightRecorder
+from gradtrack.capture.flight_ring import HOST_VALUES, FlightRecorder
 from gradtrack.delivery.spool import decode, encode
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.flight import FlightWindow, read_window, window_text
@@ -47,9 +47,12 @@ def windows(sink: MemorySink) -> list[FlightWindow]:
     return [r.flight for r in sink.records if r.flight is not None]
 
 
-def steps_of(rows: torch.Tensor | None, n_layers: int) -> list[int]:
+def steps_of(rows: torch.Tensor | list[float] | None, n_layers: int) -> list[int]:
+    """The steps of rows `FlightRecorder.take` handed on (a tensor, or host floats)."""
     assert rows is not None
-    return rows.reshape(-1, 1 + n_layers)[:, 0].long().tolist()
+    return (
+        torch.as_tensor(rows, dtype=torch.float64).reshape(-1, 1 + n_layers)[:, 0].long().tolist()
+    )
 
 
 def test_rows_kept_on_the_host_and_written_in_keep_their_order_past_the_capacity() -> None:
@@ -64,7 +67,10 @@ def test_rows_kept_on_the_host_and_written_in_keep_their_order_past_the_capacity
             recorder.record_host(step, [9.0, float(step)])
         if step in (3, 9, 13, 14, 18):  # (14: read while only kept rows are new)
             rows = recorder.take()
-            assert rows is not None and rows.reshape(-1, 2)[:, 1].tolist() == steps_of(rows, 1)
+            assert rows is not None
+            assert torch.as_tensor(rows, dtype=torch.float64).reshape(-1, 2)[
+                :, 1
+            ].tolist() == steps_of(rows, 1)
             taken += steps_of(rows, 1)
     taken += steps_of(recorder.take(), 1)
     assert taken == [0, 1, 2, 3, *range(6, 23)]
@@ -73,9 +79,29 @@ def test_rows_kept_on_the_host_and_written_in_keep_their_order_past_the_capacity
         norms = [9.0, float(step) + 0.5]
         recorder.record_host(step, norms)
         rows = recorder.take()
-        assert rows is not None and rows.tolist() == [step, step + 0.5]
+        assert rows == [step, step + 0.5]  # (host floats: no tensor made for one row)
         assert norms == [9.0, step + 0.5]  # (the caller's norms untouched)
     assert recorder.take() is None
+
+
+def test_many_rows_kept_on_the_host_are_handed_on_as_one_tensor() -> None:
+    """Past `HOST_VALUES` numbers the kept rows come as one float64 tensor (numpy fills it
+    faster than a Python list grows), in the same order as the few that come as floats."""
+    n_layers = 3
+    per_row = 1 + n_layers
+    recorder = FlightRecorder(capacity=HOST_VALUES, n_layers=n_layers)
+    recorder.record(0, torch.zeros(per_row, dtype=torch.float64))  # (the ring, on the CPU)
+    recorder.take()
+    few = HOST_VALUES // per_row
+    for rows_kept, kind in ((few, list), (few + 1, torch.Tensor)):
+        first = recorder._written
+        for step in range(first, first + rows_kept):
+            recorder.record_host(step, [0.0, *(step + layer / 10 for layer in range(n_layers))])
+        taken = recorder.take()
+        assert isinstance(taken, kind)
+        rows = torch.as_tensor(taken, dtype=torch.float64).reshape(-1, per_row)
+        assert rows[:, 0].long().tolist() == list(range(first, first + rows_kept))
+        assert rows[:, 2].tolist() == [step + 0.1 for step in range(first, first + rows_kept)]
 
 
 def test_the_ring_keeps_the_last_k_steps_and_hands_each_on_once() -> None:
