@@ -50,7 +50,7 @@ class LayerKinds:
             return last[1]
         rms = record.column("rms")
         by_kind: dict[str, list[int]] = {}
-        for j in np.flatnonzero(np.isfinite(rms) & (rms > 0)).tolist():
+        for j in (np.isfinite(rms) & (rms > 0)).nonzero()[0].tolist():
             kind = self._kinds[self._depth[record.layers[j]]]
             if kind not in SPARSE_KINDS:
                 by_kind.setdefault(kind, []).append(j)
@@ -126,7 +126,7 @@ class JumpCheck(Check):
         idx = self.book.at([record.layers[j] for j in rows[env.weak]])
         limit = self.book.param("jump", "ratio", idx)
         events: list[AlertEvent] = []
-        for k in np.flatnonzero(self.book.enabled("jump", idx) & (env.ratio > limit)):
+        for k in (self.book.enabled("jump", idx) & (env.ratio > limit)).nonzero()[0]:
             up = bool(env.upstream_weak[k])
             strong = k + 1 if up else k
             a, b = record.layers[rows[env.weak[k]]], record.layers[rows[strong]]

@@ -86,7 +86,7 @@ class LearningRateCheck(Check):
 
     def _oversized(self, record: StepRecord, ratios: np.ndarray) -> list[AlertEvent]:
         rule = self.book.rule("learning_rate", None)
-        known = np.flatnonzero(np.isfinite(ratios))
+        known = np.isfinite(ratios).nonzero()[0]
         if len(known) == 0 or ratios[known].max() <= rule.oversized:  # (no median above it)
             return []
         median = float(np.median(ratios[known]))
@@ -115,7 +115,7 @@ class LearningRateCheck(Check):
         rule = self.book.rule("learning_rate", None)
         if not self._ratios:
             return []
-        went_dead = np.flatnonzero((norms == 0.0) & self._flowing)
+        went_dead = ((norms == 0.0) & self._flowing).nonzero()[0]
         fading, kept = self._fading(norms, record.output_grad_norm)
         if len(went_dead) == 0 and len(fading) == 0:
             return []
@@ -163,12 +163,12 @@ class LearningRateCheck(Check):
             if output < OUTPUT_KEPT * max(outputs):  # the loss sends less: it fits its data
                 return none, None
             kept = f"the gradient reaching the model output kept its size ({output:.3g})"
-            return np.flatnonzero((share <= 1 / FELL) & (norms > 0)), kept
+            return ((share <= 1 / FELL) & (norms > 0)).nonzero()[0], kept
         best = int(np.nanargmax(share))
         if share[best] < KEPT:  # every layer fell: a model that fits its data
             return none, None
         kept = f"{self.book.names[best]} kept its gradient"
-        return np.flatnonzero((share <= VANISHED) & (norms > 0)), kept
+        return ((share <= VANISHED) & (norms > 0)).nonzero()[0], kept
 
     def _how_dead(
         self, culprits: np.ndarray, went_dead: np.ndarray, norms: np.ndarray, kept: str | None
@@ -238,7 +238,7 @@ class UpdateRatioCheck(Check):
         runs = self._runs.advance(idx, active, fast | slow)
         patience = self.book.param("update_ratio", "patience", idx)
         events: list[AlertEvent] = []
-        for j in np.flatnonzero(active & (runs >= patience)):
+        for j in (active & (runs >= patience)).nonzero()[0]:
             layer, ratio = record.layers[j], float(ratios[j])
             limit = float(high[j] if fast[j] else low[j])
             finding = _finding(layer, ratio, limit, int(runs[j]), bool(fast[j]), cause is not None)

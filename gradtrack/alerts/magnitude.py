@@ -42,7 +42,7 @@ class ExplodingCheck(Check):
         """Every layer above its threshold; Python work only for those."""
         norms, cols = record.column("norm"), idx + 1
         events: list[AlertEvent] = []
-        for j in np.flatnonzero(self.per_step.exploding(norms, cols)):
+        for j in self.per_step.exploding(norms, cols).nonzero()[0]:
             events += self._event(record, record.layers[j], float(norms[j]), int(cols[j]))
         return events
 
@@ -91,7 +91,7 @@ class VanishingCheck(Check):
         threshold = self.book.param("vanishing", "threshold", idx)
         runs = self._runs.advance(idx, active, (norms > 0) & (norms < threshold))
         events: list[AlertEvent] = []
-        for j in np.flatnonzero(active & (runs >= self.book.param("vanishing", "patience", idx))):
+        for j in (active & (runs >= self.book.param("vanishing", "patience", idx))).nonzero()[0]:
             layer, norm = record.layers[j], float(norms[j])
             events += self.cooldowns.emit(
                 record,
@@ -144,7 +144,7 @@ class DeadCheck(Check):
         runs = self._runs.advance(idx, active, norms == 0.0)
         live = finite & (norms > 0)
         events: list[AlertEvent] = []
-        for j in np.flatnonzero(active & (runs >= self.book.param("dead", "patience", idx))):
+        for j in (active & (runs >= self.book.param("dead", "patience", idx))).nonzero()[0]:
             events += self._event(record, int(j), int(runs[j]), live)
         return events
 
@@ -188,7 +188,7 @@ class SpikeCheck(Check):
             return []
         events: list[AlertEvent] = []
         window = self.book.rules.spike.window
-        for column in np.flatnonzero(self.per_step.spiking(record.spiking)):
+        for column in self.per_step.spiking(record.spiking).nonzero()[0]:
             layer = None if column == 0 else self.book.names[column - 1]
             z, typical = float(record.spike_z[column]), float(record.spike_typical[column])
             name = f"gradient norm of {layer}" if layer else "total gradient norm"

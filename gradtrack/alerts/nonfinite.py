@@ -43,7 +43,7 @@ class NonFiniteCheck(Check):
         holds NaN or Inf and whose rule is on, named by its origin."""
         nan_counts, inf_counts = record.column("nan"), record.column("inf")
         norms = record.column("norm")  # exact: non-finite only where an element is
-        rows = np.flatnonzero(self.per_step.nonfinite(idx + 1, norms, nan_counts, inf_counts))
+        rows = self.per_step.nonfinite(idx + 1, norms, nan_counts, inf_counts).nonzero()[0]
         if len(rows) == 0:
             return []
         bad = [record.layers[j] for j in rows]

@@ -151,7 +151,7 @@ class StepRecord:
     def extreme_layers(self) -> tuple[tuple[str, float], tuple[str, float]] | None:
         """(weakest, strongest) layer by finite gradient norm: where flow bottlenecks."""
         norms = self.column("norm")
-        finite = np.flatnonzero(np.isfinite(norms))
+        finite = np.isfinite(norms).nonzero()[0]
         if len(finite) == 0:
             return None
         low, high = finite[np.argmin(norms[finite])], finite[np.argmax(norms[finite])]

@@ -367,7 +367,7 @@ def flat_stat_rows(values: np.ndarray, offsets: np.ndarray, full: bool) -> np.nd
     else:
         rows[:, L1 : LINF + 1] = math.nan
     rows[:, L2] = np.sqrt(np.add.reduceat(np.square(absolute, out=absolute), offsets))
-    bad = np.flatnonzero(~np.isfinite(rows[:, L2]))
+    bad = (~np.isfinite(rows[:, L2])).nonzero()[0]
     if len(bad):  # (a non-finite step: count per tensor)
         nan = np.isnan(values)
         rows[bad, NAN] = np.add.reduceat(nan, offsets)[bad]
@@ -577,7 +577,7 @@ class MeshPlaces:
         if len(rank_flags) == 0:
             return {}
         flags = rank_flags.reshape(len(self.coordinates), self.n_flags)
-        bad = np.flatnonzero((flags == 0).any(axis=1)).tolist()
+        bad = (flags == 0).any(axis=1).nonzero()[0].tolist()
         if not bad:
             return {}
         places = tuple(self.rank_label(rank) for rank in bad)

@@ -120,7 +120,7 @@ class StepRules:
         if not finite:
             # Any non-finite layer whose rule acts (the first of them), else the total where
             # no layer's norm shows it (the total overflowed, or another device's).
-            bad = np.flatnonzero(nonfinite_columns(norms[1:])) + 1
+            bad = nonfinite_columns(norms[1:]).nonzero()[0] + 1
             acting = bad[self._nonfinite[bad]] if len(bad) else bad
             if len(acting):
                 return self._trip("nonfinite", int(acting[0]))

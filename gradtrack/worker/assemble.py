@@ -251,7 +251,7 @@ class RecordBuilder:
         if latched is None or latched[0] == logged:
             return None  # (a logged step that was bad itself is summarised in full)
         step, norms, spike = latched
-        present = np.flatnonzero(norms != -1.0)
+        present = (norms != -1.0).nonzero()[0]
         rows = np.zeros((len(present), TENSOR_COLUMNS))
         rows[:, L2] = norms[present]
         rows[:, L1] = rows[:, LINF] = np.nan
@@ -356,7 +356,7 @@ class RecordBuilder:
         index = self._index
         per_tensor = local_norms.reshape(self._world_size, -1)
         bad = ~np.isfinite(per_tensor).all(axis=1)
-        fields: dict[str, Any] = {"nonfinite_ranks": tuple(np.flatnonzero(bad).tolist())}
+        fields: dict[str, Any] = {"nonfinite_ranks": tuple(bad.nonzero()[0].tolist())}
         if self._gather_ranks:
             per_layer = index.rank_layer_norms(per_tensor)
             position = self._layer_position
