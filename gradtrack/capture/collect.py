@@ -286,10 +286,10 @@ class WholeCopies:
         else:
             kept = None
         numels = tuple(g.numel() for g in grads)
-        extra = () if kept is None else kept.sizes()[:2]  # (its outputs and their gradients)
+        sizes = None if kept is None else kept.sizes()  # (its outputs' and their gradients')
         # (a copy: the user may change the gradients after the step)
         together = grads if kept is None else [*grads, *kept.outputs, *kept.grads]
-        values = self.copy(together, sum(numels) + sum(extra))
+        values = self.copy(together, sum(numels) + (0 if sizes is None else sizes[0] + sizes[1]))
         offsets = self._offsets.get(numels)
         if offsets is None:  # (a new layout: kept, as the plans are)
             if len(self._offsets) > 64:
@@ -302,7 +302,7 @@ class WholeCopies:
             counts,
             samples,
             evidence,
-            flat=FlatGrads(values, offsets, full, None if kept is None else kept.sizes()),
+            flat=FlatGrads(values, offsets, full, sizes),
         )
 
 

@@ -436,7 +436,10 @@ def _window(value: Any) -> FlightWindow:
 
 
 def _to_json(value: Any, arrays: list[np.ndarray]) -> Any:
-    if value is None or type(value) in _AS_THEY_ARE:  # (most fields: layer names, flags)
+    kind = type(value)
+    if kind is float:  # (most values: a record's norms; NaN fails both tests)
+        return value if -math.inf < value < math.inf else {"@float": repr(value)}
+    if value is None or kind in _AS_THEY_ARE:  # (layer names, flags)
         return value
     if isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
