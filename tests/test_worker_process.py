@@ -21,7 +21,8 @@ from torch import nn
 
 import gradtrack
 from gradtrack.delivery.sync import sync
-from gradtrack.worker.process import WorkerProcess
+from gradtrack.handoff.mailbox import PendingStep, QueuedStep, UpdateFollowUp
+from gradtrack.worker.process import _STRETCH_S, WorkerProcess, _stretch
 from gradtrack.worker.thread import Worker
 from tests.conftest import Told
 from tests.sinks.mlflow_server import MlflowServer
@@ -471,3 +472,40 @@ def test_steps_whose_copies_lay_in_shared_memory_or_did_not_are_stored_exact(
     np.testing.assert_allclose(
         [m.value for m in ratios], [expected_ratio[m.step] for m in ratios], rtol=1e-5
     )
+
+
+def _crossing(queue: list[QueuedStep], delay_s: float) -> list[tuple[list[str], int]]:
+    """The messages `_stretch` makes of ``queue`` where readying a step takes ``delay_s``:
+    each as its items (kind and step) and its count of steps."""
+
+    def outgoing(item: QueuedStep) -> tuple[int | None, QueuedStep]:
+        time.sleep(delay_s)
+        return None, item
+
+    messages = []
+    while queue:
+        ready, steps = _stretch(queue, outgoing)
+        messages.append(([f"{type(item).__name__} {item.step}" for _, item in ready], steps))
+    return messages
+
+
+def test_the_feed_thread_writes_a_message_each_stretch_of_its_work() -> None:
+    """The feed thread readies steps for the pipe in stretches of `_STRETCH_S` (a write
+    between two gives the training thread back the GIL): a step slower than that crosses
+    alone, quick ones together; the count is of steps, not of the updates that follow one."""
+
+    def queue() -> list[QueuedStep]:
+        return [PendingStep(0, time.time(), []), UpdateFollowUp(0), PendingStep(1, time.time(), [])]
+
+    assert _crossing(queue(), _STRETCH_S * 2) == [
+        (["PendingStep 0"], 1),
+        (["UpdateFollowUp 0"], 0),
+        (["PendingStep 1"], 1),
+    ]
+    quick = _crossing(queue(), 0.0)  # (usually one message; in order and counted in any case)
+    assert [item for items, _ in quick for item in items] == [
+        "PendingStep 0",
+        "UpdateFollowUp 0",
+        "PendingStep 1",
+    ]
+    assert sum(steps for _, steps in quick) == 2

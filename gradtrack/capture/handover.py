@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
 from gradtrack.capture.collect import Collector
 from gradtrack.capture.distributed import RankGroup
@@ -23,10 +22,9 @@ from gradtrack.capture.flight_ring import FlightRecorder
 from gradtrack.capture.origin import nonfinite_weight_layers
 from gradtrack.capture.probes import Probes
 from gradtrack.capture.updates import SampledUpdateProbe, UpdateProbe, WholeUpdateProbe
-from gradtrack.capture.verdict import StepPlan
+from gradtrack.capture.verdict import EvidenceParts, StepPlan
 from gradtrack.errors import GradientAlertError
 from gradtrack.formats.event import AlertEvent
-from gradtrack.handoff.layout import HostValues
 from gradtrack.handoff.mailbox import Mailbox, PendingStep, Reply, UpdateFollowUp
 
 OnError = Callable[[int, Exception], None]
@@ -228,7 +226,7 @@ class StepCollector:
         plan: StepPlan,
         probes: Probes,
         backward_order: list[int] | None,
-        evidence_parts: tuple[torch.Tensor | HostValues | None, torch.Tensor | None],
+        evidence_parts: EvidenceParts,
         origin: dict[str, Any] | None,
     ) -> PendingStep | None:
         """Launch the step's reductions and its copy to the host; None if this rank hands

@@ -57,6 +57,9 @@ class Verdict(NamedTuple):
     trip: Trip | None = None  # the per-step rule whose action "raise" this step trips
 
 
+# A step's spike vector and latch, for its record (`StepJudge.evidence`).
+EvidenceParts = tuple[torch.Tensor | HostValues | None, torch.Tensor | None]
+
 UNKNOWN = Verdict(True, False, None)  # (latched instead, or FSDP2: the logged steps judge)
 
 
@@ -395,9 +398,7 @@ class StepJudge:
         if not plan.guard.exact:
             plan.guard = self.guard(plan.step, exact=True) or plan.guard
 
-    def evidence(
-        self, plan: StepPlan
-    ) -> tuple[torch.Tensor | HostValues | None, torch.Tensor | None]:
+    def evidence(self, plan: StepPlan) -> EvidenceParts:
         """The step's spike vector (NaN where its statistics failed) and latch, for its
         record."""
         device = plan.guard.devices[0].device

@@ -307,19 +307,11 @@ class WorkerProcess:
                 if self._mailbox.closed:
                     return
                 sending = sum(isinstance(item, PendingStep) for item in items)
-                # Messages of ~`_STRETCH_S` of this thread's Python each: between two, the
-                # pipe's write lets the GIL go, which the training thread waits for at its next
-                # op. One message a batch held it for all its steps, ~100 us each where the
-                # shared ring is full (log_every=1 into MLflow: 2.19x the unwatched step, 2.06-
-                # 2.13x in 500 us messages, 1.96-2.07x one a step); one a step sent too slowly
-                # for a loaded machine to deliver a SIGKILLed trainer's last steps in time
-                # (tests/sinks/test_delivery_scale.py).
                 queued = [item for item in items if not isinstance(item, Control)]
-                while queued:
-                    steps = self._stretch(queued)
+                while queued:  # (in messages of `_STRETCH_S` of work each)
+                    steps, sent = _stretch(queued, self._outgoing)
                     message = ("steps", steps, self._mailbox.dropped)
                     self._to_child.send_bytes(_dumps(message, self.shared))
-                    sent = sum(isinstance(item, PendingStep) for _, item in steps)
                     self._sent += sent
                     sending -= sent
                 if items and isinstance(items[-1], Control):
@@ -336,15 +328,6 @@ class WorkerProcess:
         except BaseException as exc:  # a bug must be told, not die silently with the data
             report(f"gradtrack could not hand steps to its worker process: {exc!r}")
             self._process.terminate()
-
-    def _stretch(self, queued: list[QueuedStep]) -> list[tuple[int | None, QueuedStep]]:
-        """The next steps of ``queued`` (taken from it) made ready to cross, as many as
-        `_STRETCH_S` of work allows, one at least."""
-        started = time.perf_counter()
-        ready: list[tuple[int | None, QueuedStep]] = []
-        while queued and (not ready or time.perf_counter() - started < _STRETCH_S):
-            ready.append(self._outgoing(queued.pop(0)))
-        return ready
 
     def _outgoing(self, item: QueuedStep) -> tuple[int | None, QueuedStep]:
         """A step as it crosses (`_host_rows`), its reply kept here (by id)."""
@@ -461,9 +444,26 @@ def _spool_before_leaving(worker: WorkerProcess, timeout_s: float) -> None:
             return
 
 
-# The feed thread's work between two writes to the pipe (see `WorkerProcess._feed`): the
-# longest the training thread waits for the GIL it holds, short of a step's own work.
+# The feed thread's work between two writes to the pipe, each of which lets the GIL go: the
+# longest the training thread, back from an op, waits for it. One message a batch held it for
+# all its steps, ~100 us each where the shared ring is full (log_every=1 into MLflow: 2.19x
+# the unwatched step, 2.06-2.13x in 500 us messages, 1.96-2.07x one a step); one a step sent
+# too slowly for a loaded machine to deliver a SIGKILLed trainer's last steps in time
+# (tests/sinks/test_delivery_scale.py).
 _STRETCH_S = 500e-6
+
+
+def _stretch(
+    queued: list[QueuedStep], outgoing: Callable[[QueuedStep], tuple[int | None, QueuedStep]]
+) -> tuple[list[tuple[int | None, QueuedStep]], int]:
+    """The next steps of ``queued`` (taken from it) made ready to cross by ``outgoing``, as
+    many as `_STRETCH_S` of work allows, one at least; and how many of them are steps (the
+    others: updates that follow a step already handed on)."""
+    started = time.perf_counter()
+    ready: list[tuple[int | None, QueuedStep]] = []
+    while queued and (not ready or time.perf_counter() - started < _STRETCH_S):
+        ready.append(outgoing(queued.pop(0)))
+    return ready, sum(isinstance(item, PendingStep) for _, item in ready)
 
 
 def _host_rows(item: QueuedStep, shared: SharedCopies | None) -> None:
