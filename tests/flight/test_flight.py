@@ -47,12 +47,14 @@ def windows(sink: MemorySink) -> list[FlightWindow]:
     return [r.flight for r in sink.records if r.flight is not None]
 
 
-def steps_of(rows: torch.Tensor | list[float] | None, n_layers: int) -> list[int]:
-    """The steps of rows `FlightRecorder.take` handed on (a tensor, or host floats)."""
-    assert rows is not None
-    return (
-        torch.as_tensor(rows, dtype=torch.float64).reshape(-1, 1 + n_layers)[:, 0].long().tolist()
-    )
+def rows_of(taken: torch.Tensor | list[float] | None, n_layers: int) -> torch.Tensor:
+    """The rows `FlightRecorder.take` handed on (a flat tensor, or host floats), one a step."""
+    assert taken is not None
+    return torch.as_tensor(taken, dtype=torch.float64).reshape(-1, 1 + n_layers)
+
+
+def steps_of(taken: torch.Tensor | list[float] | None, n_layers: int) -> list[int]:
+    return rows_of(taken, n_layers)[:, 0].long().tolist()
 
 
 def test_rows_kept_on_the_host_and_written_in_keep_their_order_past_the_capacity() -> None:
@@ -67,10 +69,7 @@ def test_rows_kept_on_the_host_and_written_in_keep_their_order_past_the_capacity
             recorder.record_host(step, [9.0, float(step)])
         if step in (3, 9, 13, 14, 18):  # (14: read while only kept rows are new)
             rows = recorder.take()
-            assert rows is not None
-            assert torch.as_tensor(rows, dtype=torch.float64).reshape(-1, 2)[
-                :, 1
-            ].tolist() == steps_of(rows, 1)
+            assert rows_of(rows, 1)[:, 1].tolist() == steps_of(rows, 1)
             taken += steps_of(rows, 1)
     taken += steps_of(recorder.take(), 1)
     assert taken == [0, 1, 2, 3, *range(6, 23)]
@@ -99,9 +98,10 @@ def test_many_rows_kept_on_the_host_are_handed_on_as_one_tensor() -> None:
             recorder.record_host(step, [0.0, *(step + layer / 10 for layer in range(n_layers))])
         taken = recorder.take()
         assert isinstance(taken, kind)
-        rows = torch.as_tensor(taken, dtype=torch.float64).reshape(-1, per_row)
-        assert rows[:, 0].long().tolist() == list(range(first, first + rows_kept))
-        assert rows[:, 2].tolist() == [step + 0.1 for step in range(first, first + rows_kept)]
+        assert steps_of(taken, n_layers) == list(range(first, first + rows_kept))
+        assert rows_of(taken, n_layers)[:, 2].tolist() == [
+            step + 0.1 for step in range(first, first + rows_kept)
+        ]
 
 
 def test_the_ring_keeps_the_last_k_steps_and_hands_each_on_once() -> None:
