@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.capture.probes import BackwardOrderProbe
 from gradtrack.formats.metrics import scalar_metrics
 from gradtrack.formats.record import StepRecord
 from gradtrack.sinks import MemorySink
@@ -414,3 +415,38 @@ def test_a_parameter_unfrozen_later_without_optimizer_is_picked_up() -> None:
             model(torch.randn(8, 4)).pow(2).mean().backward()
             model.zero_grad()
     assert [r.layers for r in sink.records] == [("2",), ("0", "2"), ("0", "2")]
+
+
+def test_after_its_first_step_a_watch_leaves_no_hook_on_the_parameters_but_one() -> None:
+    """torch keeps a hook that calls into Python at every backward on each parameter that
+    ever had one of its hooks; the guard's is one (on the first parameter), the backward
+    order's and a due micro-batch's hooks go with their dicts, and close leaves none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    watcher = gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer, log_every=3)
+    params = list(model.parameters())
+    seen = []
+    for _step in range(7):
+        optimizer.zero_grad()
+        for _micro in range(2):  # (accumulation: a due step hooks each tensor for a while)
+            model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        seen.append([p._backward_hooks is None for p in params])
+    assert sum(p._post_accumulate_grad_hooks is not None for p in params) == 1
+    # (each tensor is hooked from the end of steps 2 and 5 for the due steps 3 and 6)
+    assert [all(hooked) for hooked in seen] == [True, True, False, True, True, False, True]
+    assert not any(any(hooked) for hooked in (seen[2], seen[5]))
+    watcher.close()
+    assert all(p._backward_hooks is None for p in params)
+    assert all(not p._post_accumulate_grad_hooks for p in params)
+
+
+def test_the_backward_order_is_the_order_the_gradients_were_ready_in() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    params = list(model.parameters())
+    probe = BackwardOrderProbe(params, {id(p): i // 2 for i, p in enumerate(params)})
+    model(torch.randn(3, 4)).sum().backward()
+    assert probe.order == [2, 1, 0]
+    probe.remove()
+    assert all(p._backward_hooks is None for p in params)
