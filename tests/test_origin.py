@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import gradtrack
+from gradtrack.capture.origin import RNG_CHECK_EVERY, RNG_CHECKS
 from gradtrack.sinks import MemorySink
 from tests.test_alerts import only
 
@@ -175,3 +176,40 @@ def test_the_output_gradient_is_released_when_the_next_forward_begins() -> None:
             outputs[-1].pow(2).mean().backward()
             optimizer.step()
             assert outputs[-1].grad is not None and outputs[-1].grad.shape == (16, 1)
+
+
+def test_the_cpu_generator_is_kept_only_once_a_forward_draws_from_it() -> None:
+    """Its state is compared before and after the first forwards and one in
+    `RNG_CHECK_EVERY`: a model that draws nothing pays no copy of it at the others; dropout
+    switched on later is seen at the next check, and the state is kept from then on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.0), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    kept = []
+    with gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer) as watcher:
+        probe = watcher.stepper.probes.origin
+        assert probe is not None
+        for step in range(RNG_CHECK_EVERY + 20):
+            if step == 100:
+                model[1].p = 0.5  # (p=0 draws nothing)
+            optimizer.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            kept.append(probe._rng is not None)
+            optimizer.step()
+    checked = RNG_CHECK_EVERY - 1  # (the step of the 256th forward)
+    assert all(kept[:RNG_CHECKS]) and not any(kept[RNG_CHECKS:checked])
+    assert all(kept[checked:]) and probe.draws
+
+
+def test_a_model_that_draws_nothing_is_replayed_without_its_generator_state() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), LogWhen(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer):
+        for step in range(40):
+            model[2].on = step == 33  # (a forward whose generator state was not kept)
+            optimizer.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            optimizer.step()
+    (event,) = only(sink.events, "nonfinite")
+    assert (event.step, event.origin_stage, event.origin_layer) == (33, "forward", "2")
