@@ -419,8 +419,9 @@ def test_a_parameter_unfrozen_later_without_optimizer_is_picked_up() -> None:
 
 def test_after_its_first_step_a_watch_leaves_no_hook_on_the_parameters_but_one() -> None:
     """torch keeps a hook that calls into Python at every backward on each parameter that
-    ever had one of its hooks; the guard's is one (on the first parameter), the backward
-    order's and a due micro-batch's hooks go with their dicts, and close leaves none."""
+    ever had one of its hooks; the watch's is one (the backward counter, on the first
+    parameter), the backward order's and a due micro-batch's hooks go with their dicts, and
+    close leaves none."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
