@@ -1,7 +1,7 @@
 """What gradtrack costs a short training step, beside the alternatives, in one run.
 
     python -m benchmarks.fastloop [--models tight tiny300] [--rounds 3] [--steps 2000]
-                                  [--variants none floor ...] [--threads 1]
+                                  [--variants none floor ...] [--threads 1] [--chunk 100]
 
 Steps of 13-125 ms (`benchmarks.overhead`) hide a fixed cost of a millisecond; a 0.6 ms step
 does not. Two models, trained with SGD and ``optimizer=`` given:
@@ -15,7 +15,9 @@ during another's steps), the variants in turn round by round. In its process the
 model trains beside an unwatched copy of itself, in alternating chunks of 100 steps (a chunk
 holds ten logged steps at the defaults, so their cost is in it); a process's figure is the
 median over chunk pairs of variant ÷ base, so that the machine's noise, which moves a whole
-process by tens of percent here, falls on both. The table gives the median over rounds of
+process by tens of percent here, falls on both. A worker process behind the loop catches up
+while the base chunk runs: ``--chunk 2000`` (with ``--steps 8000``) measures long stretches of
+training instead, where it cannot. The table gives the median over rounds of
 those ratios, each round's, and the variant's median ms per step. Work the worker leaves
 for later (a batched MLflow request) may fall in either chunk of a pair. ``close`` is the
 time ``close()`` took at the end (delivery of what was still on its way), and ``stored`` the
@@ -173,10 +175,12 @@ class Loop:
         return (time.perf_counter() - start) / steps
 
 
-def child(model_name: str, variant: str, steps: int, threads: int) -> dict[str, Any]:
+def child(
+    model_name: str, variant: str, steps: int, threads: int, chunk: int = CHUNK
+) -> dict[str, Any]:
     """One variant's run, in this process, beside an unwatched copy of the same model (this
     process's own base: processes differ by tens of percent on this machine): chunks of
-    ``CHUNK`` steps alternate between the two (in turn first), and each pair's ratio is
+    ``chunk`` steps alternate between the two (in turn first), and each pair's ratio is
     taken, so the machine's drift falls on both. The median ratio, the variant's median
     chunk, the time its ``close()`` took, and what its tracker stored."""
     import logging
@@ -196,11 +200,11 @@ def child(model_name: str, variant: str, steps: int, threads: int) -> dict[str, 
         base.run(WARMUP)
         watched.run(WARMUP)
         ratios, times = [], []
-        for pair in range(max(1, steps // CHUNK)):
+        for pair in range(max(1, steps // chunk)):
             if pair % 2:
-                variant_s, base_s = watched.run(CHUNK), base.run(CHUNK)
+                variant_s, base_s = watched.run(chunk), base.run(chunk)
             else:
-                base_s, variant_s = base.run(CHUNK), watched.run(CHUNK)
+                base_s, variant_s = base.run(chunk), watched.run(chunk)
             ratios.append(variant_s / base_s)
             times.append(variant_s)
         start = time.perf_counter()
@@ -220,9 +224,11 @@ def child(model_name: str, variant: str, steps: int, threads: int) -> dict[str, 
     }
 
 
-def run_child(model: str, variant: str, steps: int, threads: int) -> dict[str, Any]:
+def run_child(
+    model: str, variant: str, steps: int, threads: int, chunk: int = CHUNK
+) -> dict[str, Any]:
     command = [sys.executable, "-m", "benchmarks.fastloop", "--child", model, variant]
-    command += ["--steps", str(steps), "--threads", str(threads)]
+    command += ["--steps", str(steps), "--threads", str(threads), "--chunk", str(chunk)]
     env = dict(os.environ, WANDB_SILENT="true", PYTHONWARNINGS="ignore")
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -239,18 +245,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=CHUNK, help="steps in turn, each half")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     if args.child:
         model, variant = args.child
-        print(json.dumps(child(model, variant, args.steps, args.threads)))
+        print(json.dumps(child(model, variant, args.steps, args.threads, args.chunk)))
         return
     variants = ["none"] + [v for v in args.variants if v != "none"]
     for model in args.models:
         results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for variant in variants:
-                results[variant].append(run_child(model, variant, args.steps, args.threads))
+                result = run_child(model, variant, args.steps, args.threads, args.chunk)
+                results[variant].append(result)
         base = statistics.median(r["step_s"] for r in results["none"])
         print(f"\n{model}: no monitoring {base * 1e3:.3f} ms/step, {args.rounds} rounds")
         print("| variant | ratio (median) | per round | ms/step | close s | stored |")

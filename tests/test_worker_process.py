@@ -403,6 +403,55 @@ def test_copies_laid_in_shared_memory_cross_as_where_they_lie_and_their_room_com
     assert shared.empty(2000) is None  # (more than a quarter of the ring: never laid)
 
 
+def test_a_step_reaching_the_worker_process_gives_its_room_in_the_ring_back_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step whose gradients and weights lie in the ring, as it reaches the worker process
+    (`_arrived`, what the child does with each step it receives): its copies are reduced to
+    the rows the worker would have made of them, and their room comes back while the step
+    still waits for the worker — a worker behind the loop holds rows, not the ring."""
+    import pickle
+
+    from gradtrack.capture.stats import start_offsets
+    from gradtrack.handoff import shared as ring
+    from gradtrack.handoff.layout import FlatGrads, FlatUpdate, HostPart
+    from gradtrack.worker.process import _arrived, _dumps
+
+    shared = ring.SharedCopies.create(size=4096)  # four copies of 256 float32
+    assert shared is not None
+    monkeypatch.setattr(ring, "_attached", ring.SharedCopies(shared.fd, shared.size))
+    offsets = start_offsets([200, 56])
+    torch.manual_seed(0)
+    grads, before = torch.randn(256), torch.randn(256)
+    after = before - 0.1 * grads
+    grads[3] = float("nan")  # (its counts reduced as exactly as its norms)
+    copies = [shared.empty(256) for _ in range(3)]
+    assert all(copy is not None for copy in copies)
+    for copy, values in zip(copies, (grads, before, after)):
+        copy.copy_(values)  # type: ignore[union-attr]
+    flat = FlatGrads(copies[0], offsets, full=True)
+    index = np.arange(2)
+    step = PendingStep(7, 0.0, [HostPart(index, None, None, flat=flat)])
+    step.update = FlatUpdate(copies[1], copies[2], offsets)  # type: ignore[arg-type]
+    message = _dumps(("steps", [(None, step)], 0), shared)
+    del step, flat, copies
+
+    def room() -> int:
+        """Copies of 256 float32 the ring can lay now (laid, then let go at once)."""
+        return sum(copy is not None for copy in [shared.empty(256) for _ in range(4)])
+
+    _, [(_, arrived)], _ = pickle.loads(message)  # (the worker process's side)
+    assert room() == 1  # (three held: the step has their views)
+    _arrived(arrived)
+    assert room() == 4  # the room back, the step not taken by a worker yet
+    [part] = arrived.parts
+    assert part.flat is None
+    expected = FlatGrads(grads.clone(), offsets, full=True).reduce()[0]
+    np.testing.assert_array_equal(part.stats(), expected)
+    rows, _ = arrived.update
+    np.testing.assert_array_equal(rows.numpy(), FlatUpdate(before, after, offsets).rows())
+
+
 def test_a_process_forked_from_the_trainer_frees_no_room_of_the_ring() -> None:
     """A DataLoader worker forked from the training process inherits its objects and the
     ring's mapping: copies it lets go are not its to free."""

@@ -472,7 +472,7 @@ def _host_rows(item: QueuedStep, shared: SharedCopies | None) -> None:
     bytes where the copies are tens of KiB: at thousands of steps a second the pickling and
     the pipe would fall behind the loop, and a killed trainer lose more than its last second
     — unless they lie in the memory both processes share (``shared``), where the child
-    reduces them."""
+    reduces them as they arrive (``shared`` None: every copy, wherever it lies)."""
 
     def apart(tensor: torch.Tensor) -> bool:
         return shared is None or not shared.holds(tensor)
@@ -491,6 +491,18 @@ def _host_rows(item: QueuedStep, shared: SharedCopies | None) -> None:
         part.ready = None
         if part.flat is not None and apart(part.flat.values):
             part.stats()
+
+
+def _arrived(item: QueuedStep) -> None:
+    """A step as it reaches the worker process: its copies in the shared ring reduced to their
+    rows at once, not when the worker reaches it. A worker behind the loop then holds rows,
+    and the copies' room in the ring comes back as they arrive: a full ring has the training
+    process reduce its next copies in its feed thread, with the GIL the training thread
+    needs (at ``log_every=1`` on a 0.26 ms step, 2.2× against 2.7×)."""
+    try:
+        _host_rows(item, None)
+    except Exception:  # (left as it came: the worker's own reading of it reports the fault)
+        pass
 
 
 def _spawn(shared: SharedCopies | None) -> tuple[subprocess.Popen[bytes], Connection, Connection]:
@@ -703,6 +715,7 @@ class _Child:
             self.drops.count(dropped_there - self._elsewhere)
             self._elsewhere = dropped_there
         for key, item in steps:
+            _arrived(item)
             if key is not None and isinstance(item, PendingStep):
                 item.reply = _ReplyUp(key, self._up)
             self.mailbox.put_step(item)
