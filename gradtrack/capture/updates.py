@@ -291,7 +291,7 @@ class WholeUpdateProbe:
             self._viewed = storages
             contiguous = all(p.is_contiguous() for p in self._params)
             self._flat = [p.detach().view(-1) for p in self._params] if contiguous else None
-        with torch.no_grad():
-            if self._flat is None:
-                return self._copies.copy(self._params, self._numel)
+        if self._flat is not None:  # (detached views: no graph to keep out of)
             return self._copies.copy_flat(self._flat, self._numel)
+        with torch.no_grad():
+            return self._copies.copy(self._params, self._numel)
