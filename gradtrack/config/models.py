@@ -53,6 +53,14 @@ class WandbOptions(BaseModel):
     profile_every: PositiveInt | None = Field(
         100, description="Log the per-layer gradient-flow profile every N-th step; None: never."
     )
+    media_every_s: float | None = Field(
+        0.5,
+        ge=0,
+        allow_inf_nan=False,
+        description="Histograms and the profile go into the run's rows at most once per this "
+        "many seconds (W&B's SDK spends 2-3 ms of your process on each); every histogram is "
+        "in the step files. None: whenever due.",
+    )
     pictures: bool = Field(
         True,
         description="At close, draw the run's gradient-flow pictures (total norm, flow by "

@@ -13,6 +13,7 @@ wandb is imported only when the first step is written; a run already active is r
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -70,7 +71,8 @@ class WandbSink(SinkBase):
 
         self._pictures = Pictures(self.options.pictures, self.options.pictures_every)
         self._files = StepFiles(model)
-        self._rows = RowRider(self.row)
+        self._media = MediaClock(self.options.media_every_s)
+        self._rows = RowRider(self.row, self._media, self._media_due)
 
     @property
     def run(self) -> Run:
@@ -102,7 +104,10 @@ class WandbSink(SinkBase):
             run.config.update({LAYERS_CONFIG_KEY: self._book.layers}, allow_val_change=True)
         if self._wandb_run.alone_in(run):
             for record in batch:
-                run.log(self.row(record), commit=True)
+                media = self._media_due(record) and self._media.allows()
+                run.log(self.row(record, media), commit=True)
+                if media:
+                    self._media.took()
             self._wandb_run.rows_logged(run, len(batch))
         else:
             self._rows.ride(run, batch)
@@ -141,7 +146,11 @@ class WandbSink(SinkBase):
             raise finished_error(error) or error from None
 
     def flush(self) -> None:
-        """Nothing waits here: each write reached the step files and the run before returning."""
+        """Each write reached the step files and the run before returning; the newest step
+        whose histograms waited for `MediaClock` rides the open row with them."""
+        run = self._wandb_run.run
+        if run is not None and not self._wandb_run.alone_in(run):
+            self._rows.settle(run)
 
     def close(self) -> None:
         self._files.close()
@@ -149,6 +158,8 @@ class WandbSink(SinkBase):
         if run is None:
             return
         try:
+            if not self._wandb_run.alone_in(run):
+                self._rows.settle(run)
             if self._pictures.due_at_close():
                 self._log_pictures(run)  # summary images, not rows
         except Exception as error:
@@ -159,20 +170,30 @@ class WandbSink(SinkBase):
             run.finish()
 
     # -- rows and pictures -----------------------------------------------------------------
-    def row(self, record: StepRecord) -> dict[str, Any]:
-        """The history row for one step: metrics, histograms and, when due, the profile."""
+    def row(self, record: StepRecord, media: bool = True) -> dict[str, Any]:
+        """The history row for one step: metrics and, with ``media``, its histograms and,
+        when due, the profile."""
         import wandb
 
         row: dict[str, Any] = {self.step_key: record.step, **scalar_metrics(record)}
+        if not media:
+            return row
         model = self.config.model_name
         for layer, histogram in record.histograms.items():
             row[metric_key(HIST_FAMILY, layer, model)] = wandb.Histogram(
                 np_histogram=(histogram.counts, histogram.edges)
             )
-        every = self.options.profile_every
-        if every is not None and record.step % every == 0:
+        if self._profile_due(record):
             row[metric_key(PROFILE_FAMILY, "norm_by_depth", model)] = self._profile(record)
         return row
+
+    def _media_due(self, record: StepRecord) -> bool:
+        """Whether the step has histograms or a profile for its row."""
+        return bool(record.histograms) or self._profile_due(record)
+
+    def _profile_due(self, record: StepRecord) -> bool:
+        every = self.options.profile_every
+        return every is not None and record.step % every == 0
 
     def _line(self, record: StepRecord) -> str:
         """The step-file line for one step: the row's metrics and histograms, losslessly."""
@@ -297,6 +318,24 @@ def finished_error(error: Exception) -> GradtrackError | None:
     return None
 
 
+class MediaClock:
+    """When a row may carry media — histograms, the profile — in W&B: at most once per
+    ``every_s`` seconds (None: whenever due). W&B's SDK spends 2–3 ms of the training
+    process's Python on each histogram or table it logs (0.4 ms on a row of scalars), and
+    at the defaults a 0.26 ms step has them due every 26 ms; the step files hold every one."""
+
+    def __init__(self, every_s: float | None) -> None:
+        self.every_s = every_s
+        self._last = -math.inf
+
+    def allows(self) -> bool:
+        return self.every_s is None or time.monotonic() - self._last >= self.every_s
+
+    def took(self) -> None:
+        """A row with media was logged now."""
+        self._last = time.monotonic()
+
+
 class RowRider:
     """Stages one step per batch into the user's open row; knows what the row may hold.
 
@@ -313,28 +352,69 @@ class RowRider:
     may hold our last step (``run.step``, W&B's number of the open row, has not moved past
     it), only a step whose keys include all of that step's keys replaces it; otherwise the
     row keeps its step for the user's next commit.
+
+    A step's histograms and profile come along only as often as `MediaClock` allows. Where
+    the open row holds a step with them, which steps without them may not replace, the
+    newest step whose media the clock held back rides with them at `settle` (flush, close).
     """
 
-    def __init__(self, row: Callable[[StepRecord], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        row: Callable[[StepRecord, bool], dict[str, Any]],
+        media: MediaClock,
+        media_due: Callable[[StepRecord], bool],
+    ) -> None:
         self._row = row
+        self._media = media
+        self._media_due = media_due
         self._staged_at: int | None = None  # W&B's open row right after our last staging
         self._staged_keys: frozenset[str] = frozenset()
+        self._staged_step = -1
+        self._held_back: StepRecord | None = None  # the newest step whose media waited
 
     def ride(self, run: Run, batch: Sequence[StepRecord]) -> int | None:
         """Stage the newest step of ``batch`` the open row can take; the step staged, or None."""
-        may_hold_ours = self._staged_at is not None and run.step <= self._staged_at
+        may_hold_ours = self._may_hold_ours(run)
         for record in reversed(batch):
-            row = self._row(record)
+            due = self._media_due(record)
+            media = due and self._media.allows()
+            if due and not media and record.step > self._held_step:
+                self._held_back = record
+            row = self._row(record, media)
             if may_hold_ours and not self._staged_keys <= row.keys():
                 continue
-            run.log(row, commit=False)
-            # Asked after our log (W&B answers in order): had the user committed meanwhile,
-            # our step is in the row before this number, and "may hold ours" errs on the
-            # safe side.
-            self._staged_at = run.step
-            self._staged_keys = frozenset(row)
+            self._stage(run, record, row, media)
             return record.step
         return None
+
+    def settle(self, run: Run) -> None:
+        """The newest step whose media the clock held back, newer than the step the open
+        row holds, staged with them (where the row can take it): before the row is
+        committed at the end, its histograms are not older than the last ``histograms.every``
+        steps."""
+        held, self._held_back = self._held_back, None
+        if held is None or held.step <= self._staged_step:
+            return
+        row = self._row(held, True)
+        if not self._may_hold_ours(run) or self._staged_keys <= row.keys():
+            self._stage(run, held, row, True)
+
+    @property
+    def _held_step(self) -> int:
+        return -1 if self._held_back is None else self._held_back.step
+
+    def _may_hold_ours(self, run: Run) -> bool:
+        return self._staged_at is not None and run.step <= self._staged_at
+
+    def _stage(self, run: Run, record: StepRecord, row: dict[str, Any], media: bool) -> None:
+        run.log(row, commit=False)
+        # Asked after our log (W&B answers in order): had the user committed meanwhile, our
+        # step is in the row before this number, and "may hold ours" errs on the safe side.
+        self._staged_at = run.step
+        self._staged_keys = frozenset(row)
+        self._staged_step = record.step
+        if media:
+            self._media.took()
 
 
 class StepFiles:

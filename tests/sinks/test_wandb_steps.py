@@ -176,3 +176,82 @@ def test_a_run_of_gradtracks_own_gets_a_row_per_step_until_the_user_logs_too(
     ours = [row["gradtrack/step"] for row in rows if "gradtrack/step" in row]
     assert ours == list(range(10))  # flushed after each step: each rode the user's row
     assert read_wandb_offline(run_dir).steps.tolist() == list(range(10))
+
+
+def _tables(run_dir: Path) -> int:
+    """Tables W&B wrote for the run's rows (one per profile logged)."""
+    return len(list((run_dir / "files" / "media" / "table").rglob("*.json")))
+
+
+@pytest.mark.parametrize("media_every_s", [0.5, None])
+def test_steps_handed_on_faster_than_media_every_s_ride_the_users_row_without_their_media(
+    offline: Path, media_every_s: float | None
+) -> None:
+    """W&B's SDK spends 2-3 ms of the training process on each histogram or profile table a
+    row carries. Sixty real steps, each with histograms and a profile every other step,
+    handed to the sink one per batch (as a fast loop does) in a user's run nobody commits to:
+    a table reaches the open row at most once per ``wandb.media_every_s`` — counted in the
+    run's media files — and at close the newest step held back rides with its histograms.
+    With None each of the 30 is logged (the cost this bounds)."""
+    from gradtrack.config import GradtrackConfig
+    from gradtrack.sinks import WandbSink
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    memory = MemorySink()
+    with gradtrack.watch(
+        model, backend=memory, log_every=1, layer_every=1, histograms={"every": 2}
+    ):  # fmt: skip
+        for _ in range(60):
+            backward(model)
+    run = wandb.init(project="gradtrack-tests")
+    config = GradtrackConfig(wandb={"profile_every": 2, "media_every_s": media_every_s})
+    sink = WandbSink(config, run)
+    started = time.perf_counter()
+    for record in memory.records:
+        sink.write([record])
+    elapsed = time.perf_counter() - started
+    sink.close()
+    run.finish()
+    wandb.teardown()
+    (run_dir,) = run_dirs(offline)
+    if media_every_s is None:
+        assert _tables(run_dir) == 30
+    else:
+        assert 1 <= _tables(run_dir) <= elapsed / media_every_s + 2
+    (row,) = history(read_records(run_dir))  # (the one row, committed at finish)
+    assert row["gradtrack/step"] == 58  # (59 has no histograms: it may not replace 58's)
+    assert row["grad_hist/0.values"] == memory.records[58].histograms["0"].counts.tolist()
+
+
+@pytest.mark.slow
+def test_in_a_run_of_its_own_every_step_is_a_row_and_media_ride_at_most_once_per_half_second(
+    offline: Path,
+) -> None:
+    """gradtrack's own run at log_every=1, histograms every 5 steps, at full speed: a row per
+    step, each with its own step's scalars; histograms in at most one row per half second
+    (the default ``wandb.media_every_s``), each the histogram of its row's step as the step
+    files hold it, which hold all of them."""
+    from gradtrack.formats.wandb import read_dir
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    options = {"mode": "offline", "dir": str(offline), "project": "gradtrack-tests"}
+    started = time.perf_counter()
+    with gradtrack.watch(
+        model, backend="wandb", log_every=1, histograms={"every": 5}, wandb=options
+    ):  # fmt: skip
+        for _ in range(1000):
+            backward(model)
+    elapsed = time.perf_counter() - started
+    wandb.teardown()
+    (run_dir,) = run_dirs(offline)
+    rows = history(read_records(run_dir))
+    assert [row["gradtrack/step"] for row in rows] == list(range(1000))
+    files = read_dir(run_dir / "files")
+    assert files is not None
+    _, histograms = files
+    in_files = dict(histograms["grad_hist/0"])
+    assert sorted(in_files) == list(range(0, 1000, 5))
+    with_media = [row for row in rows if "grad_hist/0.values" in row]
+    assert 1 <= len(with_media) <= elapsed / 0.5 + 1
+    for row in with_media:
+        assert row["grad_hist/0.values"] == in_files[row["gradtrack/step"]].counts.tolist()
