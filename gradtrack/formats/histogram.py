@@ -81,7 +81,11 @@ def bin_edges(values: np.ndarray, bins: int) -> np.ndarray:
         middle = low / 2 + high / 2
         low, high = middle - least / 2, middle + least / 2
     # Halves first: high - low can overflow when both ends are near the float maximum.
-    return low + (np.linspace(0.0, 1.0, bins + 1) * (high / 2 - low / 2)) * 2
+    edges = low + (np.linspace(0.0, 1.0, bins + 1) * (high / 2 - low / 2)) * 2
+    # The ends exactly: rounded, the last edge can fall below the largest value, which numpy
+    # then leaves out of every bin (one histogram in sixteen lost its maximum).
+    edges[0], edges[-1] = low, high
+    return edges
 
 
 def split_in_proportion(count: int, sizes: np.ndarray) -> np.ndarray:
