@@ -149,8 +149,12 @@ class WandbSink(SinkBase):
         """Each write reached the step files and the run before returning; the newest step
         whose histograms waited for `MediaClock` rides the open row with them."""
         run = self._wandb_run.run
-        if run is not None and not self._wandb_run.alone_in(run):
-            self._rows.settle(run)
+        if run is None:
+            return
+        try:
+            self._settle(run)
+        except Exception as error:
+            raise finished_error(error) or error from None
 
     def close(self) -> None:
         self._files.close()
@@ -158,8 +162,7 @@ class WandbSink(SinkBase):
         if run is None:
             return
         try:
-            if not self._wandb_run.alone_in(run):
-                self._rows.settle(run)
+            self._settle(run)
             if self._pictures.due_at_close():
                 self._log_pictures(run)  # summary images, not rows
         except Exception as error:
@@ -168,6 +171,14 @@ class WandbSink(SinkBase):
             return  # the run was finished first: that was warned about at the write
         if self._wandb_run.owns_run:
             run.finish()
+
+    def _settle(self, run: Run) -> None:
+        if not self._rows.holds_back:
+            return
+        # Refused at once by a finished run, before `run.step`'s round trip would wait 30 s.
+        run.summary.update({self.files_key: self._files.steps})
+        if not self._wandb_run.alone_in(run):
+            self._rows.settle(run)
 
     # -- rows and pictures -----------------------------------------------------------------
     def row(self, record: StepRecord, media: bool = True) -> dict[str, Any]:
@@ -398,6 +409,11 @@ class RowRider:
         row = self._row(held, True)
         if not self._may_hold_ours(run) or self._staged_keys <= row.keys():
             self._stage(run, held, row, True)
+
+    @property
+    def holds_back(self) -> bool:
+        """Whether a step whose media the clock held back waits for `settle`."""
+        return self._held_back is not None
 
     @property
     def _held_step(self) -> int:
