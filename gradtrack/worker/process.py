@@ -498,7 +498,7 @@ def _arrived(item: QueuedStep) -> None:
     rows at once, not when the worker reaches it. A worker behind the loop then holds rows,
     and the copies' room in the ring comes back as they arrive: a full ring has the training
     process reduce its next copies in its feed thread, with the GIL the training thread
-    needs (at ``log_every=1`` on a 0.26 ms step, 2.2× against 2.7×)."""
+    needs (``log_every=1`` on a 0.26 ms step, 2,000-step stretches: 2.17× against 2.39×)."""
     try:
         _host_rows(item, None)
     except Exception:  # (left as it came: the worker's own reading of it reports the fault)
