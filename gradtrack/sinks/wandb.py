@@ -173,12 +173,11 @@ class WandbSink(SinkBase):
             run.finish()
 
     def _settle(self, run: Run) -> None:
-        if not self._rows.holds_back:
+        if not self._rows.holds_back:  # (only riding holds a step back: never while alone)
             return
         # Refused at once by a finished run, before `run.step`'s round trip would wait 30 s.
         run.summary.update({self.files_key: self._files.steps})
-        if not self._wandb_run.alone_in(run):
-            self._rows.settle(run)
+        self._rows.settle(run)
 
     # -- rows and pictures -----------------------------------------------------------------
     def row(self, record: StepRecord, media: bool = True) -> dict[str, Any]:
