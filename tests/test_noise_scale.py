@@ -57,6 +57,15 @@ def test_four_accumulation_steps_in_one_process_find_the_true_noise_scale() -> N
 
 
 @pytest.mark.slow
+def test_accumulation_logged_every_tenth_step_finds_it_too() -> None:
+    """Backward passes are counted on the logged steps alone: the estimate needs no more."""
+    sink, net = _accumulate(micro_batches=4, size=16, steps=2000, log_every=10)
+    assert [r.step for r in sink.records[:3]] == [0, 10, 20]
+    assert sink.records[0].noise_scale is None and sink.records[1].noise_scale is not None
+    _close(sink.records[-1], problem.truth(net))
+
+
+@pytest.mark.slow
 def test_two_ddp_ranks_find_it_with_no_collective_of_its_own(tmp_path: Path) -> None:
     mp.start_processes(
         problem.run_ddp, args=(free_port(), 32, tmp_path), nprocs=2, start_method="spawn"

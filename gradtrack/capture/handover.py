@@ -126,8 +126,11 @@ class Handover:
         else:
             self.put(UpdateFollowUp(step))
 
-    def after_optimizer_step(self) -> None:
-        """The update a held logged step applied: measured, attached, handed on."""
+    def after_optimizer_step(self, *_hook_args: Any) -> None:
+        """The update a held logged step applied: measured, attached, handed on (the
+        optimizer's step post-hook, called at every step)."""
+        if self._held is None and self._follows is None:
+            return
         held, self._held = self._held, None
         follows, self._follows = self._follows, None
         if (held is None and follows is None) or self.updates is None:

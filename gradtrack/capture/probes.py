@@ -191,10 +191,8 @@ class Probes:
         zero3 = collector.partitions is not None and collector.partitions.stage3
         if records_here and not zero3:
             inner = unwrap_model(model)
-            self.origin = OriginProbe(inner)
-            taps = self.taps(inner)
-            taps.before.append(self.origin.before_forward)
-            taps.after.append(self.origin.after_forward)
+            self.origin = OriginProbe(inner, is_due)
+            self.taps(inner).add(self.origin.before_forward, self.origin.after_forward)
         if records_here:
             if output_modules:
                 self.activations = ActivationProbe(output_modules, is_due)
@@ -221,8 +219,7 @@ class Probes:
         if options.batch_size is None:
             self.batches = BatchCounter(self.taps(model))
         if ranks is None and self.accumulation is None:
-            self.micro = MicroBatchNorms(collector.params, self._is_due)
-            self.handles.extend(self.micro.handles)
+            self.micro = MicroBatchNorms(collector.params)
 
     def backward_order(self) -> list[int] | None:
         """The order layers' gradients became ready in, once: learnt from the first backward."""
@@ -239,8 +236,11 @@ class Probes:
         counted) and backward passes (``batch``), and its micro-batches' squared norms (for
         `evidence`)."""
         examples = 0 if self.batches is None else self.batches.take()
+        next_due = self._is_due is not None and self._is_due()
+        for taps in self._taps.values():
+            taps.arm(next_due)
         micro = self.micro
-        self.batch = (examples, 1 if micro is None else micro.end_step())
+        self.batch = (examples, 1 if micro is None else micro.end_step(next_due))
         self._micro_squares = None if micro is None else micro.take()
         return self.forwards.take() if self.forwards is not None else []
 
@@ -300,25 +300,53 @@ class ForwardTaps:
     """One forward pre-hook and one forward hook on a module, each calling the probes' own
     (``before(args, kwargs)``, ``after(output)``) in the order they were added: a hook torch
     calls costs a training step a few µs, several probes on the root module one call each.
-    Its handles go to the owner's list, removed with the rest."""
+    Its handles go to the owner's list, removed with the rest.
+
+    A probe that acts on due steps alone is added with ``due_only``: it is called in a due
+    step and in the step after it (where it lets go of what the due step kept), not in the
+    steps between — `arm`, at each step's end, says whether the next one is due. The first
+    step calls every probe."""
+
+    Before = Callable[[tuple[Any, ...], dict[str, Any]], None]
+    After = Callable[[Any], None]
 
     def __init__(self, module: nn.Module, handles: list[RemovableHandle]) -> None:
-        self.before: list[Callable[[tuple[Any, ...], dict[str, Any]], None]] = []
-        self.after: list[Callable[[Any], None]] = []
+        self._added: list[tuple[ForwardTaps.Before | None, ForwardTaps.After | None, bool]] = []
+        self._before_calls: list[ForwardTaps.Before] = []  # those of this step, in order
+        self._after_calls: list[ForwardTaps.After] = []
+        self._due = True  # (the step that runs now)
+        self._all = True  # every probe is called this step
         self.paused = False  # (a replay's forward is not a step's)
         handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
         handles.append(module.register_forward_hook(self._after))
 
+    def add(self, before: Before | None, after: After | None, due_only: bool = False) -> None:
+        self._added.append((before, after, due_only))
+        self._choose()
+
+    def arm(self, due: bool) -> None:
+        """The step that runs next is due (or not)."""
+        every = due or self._due
+        self._due = due
+        if every != self._all:
+            self._all = every
+            self._choose()
+
+    def _choose(self) -> None:
+        called = [(b, a) for b, a, due_only in self._added if self._all or not due_only]
+        self._before_calls = [b for b, _ in called if b is not None]
+        self._after_calls = [a for _, a in called if a is not None]
+
     def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.paused:
             return
-        for before in self.before:
+        for before in self._before_calls:
             before(args, kwargs)
 
     def _after(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if self.paused:
             return
-        for after in self.after:
+        for after in self._after_calls:
             after(output)
 
 
@@ -357,8 +385,7 @@ class OutputProbe:
         self._kept_elements = 0
         self._reaching: list[Tensor] = []  # kept outputs whose gradient is still to be read
         self._retained: list[Tensor] = []  # outputs this probe made retain their gradient
-        taps.before.append(self._before_forward)
-        taps.after.append(self._after_forward)
+        taps.add(self._before_forward, self._after_forward, due_only=True)
 
     def _before_forward(self, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
         if self._reaching:  # (a due step's later forward: its micro-batches)
@@ -547,11 +574,14 @@ class ActivationProbe:
 
 class BatchCounter:
     """Examples per step: the first dimension of the model's first tensor input, summed over
-    the step's forward passes (host shapes only: no device work)."""
+    the step's forward passes (host shapes only: no device work). Counted on due steps (the
+    noise scale's); a step between them, recorded only where it went bad, repeats the last
+    count."""
 
     def __init__(self, taps: ForwardTaps) -> None:
         self.examples = 0
-        taps.before.append(self._count)
+        self._counted = 0
+        taps.add(self._count, None, due_only=True)
 
     def _count(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for value in (*args, *kwargs.values()):
@@ -560,8 +590,9 @@ class BatchCounter:
                 return
 
     def take(self) -> int:
-        examples, self.examples = self.examples, 0
-        return examples
+        if self.examples:
+            self._counted, self.examples = self.examples, 0
+        return self._counted
 
 
 class MicroBatchNorms:
@@ -572,46 +603,56 @@ class MicroBatchNorms:
 
     Its per-tensor hooks are on only during the steps that are due (put on at the end of
     the step before, taken off at their end), once a step was seen to take several backward
-    passes: other steps, and a run without accumulation, pay one hook call per backward.
+    passes. The backward passes are counted (one hook, on the first trainable parameter) on
+    the first step and the due ones alone: another step, recorded only where it went bad,
+    repeats the last count; a hook the autograd engine calls costs a step ~2 µs.
     """
 
-    def __init__(self, params: list[nn.Parameter], is_due: Callable[[], bool]) -> None:
+    def __init__(self, params: list[nn.Parameter]) -> None:
         self._params = [p for p in params if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(params)}
         self._n_tensors = len(params)
-        self._is_due = is_due
         self.backwards = 0
         # Each incoming gradient's norm (one kernel in the hook) and its tensor's index; the
         # squares are summed per tensor at the step's end, in three batched kernels.
         self._norms: list[Tensor] = []
         self._tensors: list[int] = []
         self._index_cache: tuple[tuple[int, ...], Tensor] | None = None
-        self.handles: list[RemovableHandle] = []
         self._per_tensor: list[RemovableHandle] = []  # on for a due step only
         self._accumulates = False  # a step took several backward passes
-        if self._params:
-            first = self._params[0]
-            self.handles.append(first.register_post_accumulate_grad_hook(self._backward))
+        self._counter: RemovableHandle | None = None  # counting this step's backward passes
+        self._counted = 1  # the last count
+        self._count(True)
+
+    def _count(self, on: bool) -> None:
+        if on and self._counter is None and self._params:
+            self._counter = self._params[0].register_post_accumulate_grad_hook(self._backward)
+        elif not on and self._counter is not None:
+            self._counter.remove()
+            self._counter = None
 
     def _backward(self, param: Tensor) -> None:
         self.backwards += 1
 
-    def end_step(self) -> int:
-        """The step's backward passes; each tensor hooked for the next step if it is due."""
-        backwards, self.backwards = self.backwards, 0
-        self._accumulates = self._accumulates or backwards > 1
-        due = self._accumulates and self._is_due()
+    def end_step(self, next_due: bool) -> int:
+        """The step's backward passes (the last count, where this step was not counted); the
+        next step counted and each tensor hooked for it if it is ``next_due``."""
+        if self._counter is not None:
+            self._counted, self.backwards = self.backwards, 0
+            self._accumulates = self._accumulates or self._counted > 1
+        self._count(next_due)
+        due = self._accumulates and next_due
         if due and not self._per_tensor:
             for param in self._params:
                 index = self._index[id(param)]
                 self._per_tensor.append(param.register_hook(lambda g, i=index: self._add(i, g)))
         elif not due and self._per_tensor:
-            self.remove()
-        return backwards
+            drop_tensor_hooks(self._per_tensor, self._params)
+        return self._counted
 
     def remove(self) -> None:
-        """Take the per-tensor hooks off (the backward counter is in ``handles``, which the
-        owner removes with its own)."""
+        """Take every hook off."""
+        self._count(False)
         drop_tensor_hooks(self._per_tensor, self._params)
 
     def _add(self, index: int, grad: Tensor) -> None:

@@ -61,7 +61,8 @@ class Stepper:
             model, params, optimizer, scaler, steps, skipping, self, distributed
         )
         if signals.updates is not None and optimizer is not None:
-            probes.handles.append(optimizer.register_step_post_hook(self.after_optimizer_step))
+            hook = self.handover.after_optimizer_step
+            probes.handles.append(optimizer.register_step_post_hook(hook))
         probes.attach_evidence(model, collector, ranks, outputs, self.next_is_due)
         probes.attach_noise_scale(model, collector, ranks, noise_scale)
 
@@ -112,9 +113,6 @@ class Stepper:
         last = self.collect.closing(self.step - 1, outcome, self.judge.read_latch)
         if last is not None:
             self.handover.put(last)
-
-    def after_optimizer_step(self, *_hook_args: Any) -> None:
-        self.handover.after_optimizer_step()
 
     def release_held(self) -> None:
         self.handover.release_held()
