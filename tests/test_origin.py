@@ -10,7 +10,7 @@ from torch import nn
 import gradtrack
 from gradtrack.capture.origin import RNG_CHECK_EVERY, RNG_CHECKS
 from gradtrack.sinks import MemorySink
-from tests.test_alerts import only
+from tests.test_alerts import Poison, only
 
 
 class LogWhen(nn.Module):
@@ -149,8 +149,8 @@ def test_a_backward_nan_is_found_through_the_output_that_received_a_gradient() -
     model = TwoHeads()
     sink = MemorySink()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    with gradtrack.watch(model, backend=sink, optimizer=optimizer):
-        for step in range(4):
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=1):
+        for step in range(3):
             model.poison.value = float("nan") if step == 2 else None
             optimizer.zero_grad()
             _, second = model(torch.randn(32, 8))
@@ -158,24 +158,89 @@ def test_a_backward_nan_is_found_through_the_output_that_received_a_gradient() -
             optimizer.step()
     (event,) = only(sink.events, "nonfinite")
     assert (event.step, event.origin_stage, event.origin_layer) == (2, "backward", "poison")
+    assert "unit gradient" not in event.message
+
+
+class LossMade(nn.Module):
+    """A small model with a `Poison` inside, whose loss `loss_made_nan` can make NaN too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.poison = nn.Sequential(nn.Linear(8, 16), nn.Tanh()), Poison()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.poison(self.body(x)))
+
+
+def loss_made_nan(output: torch.Tensor) -> torch.Tensor:
+    """sqrt of a negative: a NaN loss whose gradient is NaN, the model's output finite."""
+    return torch.sqrt(output - 1e3).mean()
+
+
+def test_between_logged_steps_a_backward_nan_is_replayed_from_a_unit_gradient() -> None:
+    """The gradient reaching the output is kept on logged steps only, until a bad step is
+    seen: the first bad step between logged ones is replayed from a unit gradient at the
+    output, which finds a module that makes NaN itself, and says it could not see the loss's
+    part; from then on every step keeps it, and a later NaN made by the loss is named so."""
+    model = LossMade()
+    sink = MemorySink()
+    # (no optimizer: steps end at backward, and a NaN gradient never reaches the weights)
+    # (each bad step first in its window of 2 is recorded, and each is an event)
+    every = {"layer_every": 2, "alerts": {"nonfinite": {"cooldown_steps": 0}}}
+    with gradtrack.watch(model, backend=sink, log_every=10, config=every) as watcher:
+        probe = watcher.probes.origin
+        assert probe is not None
+        for step in range(20):
+            model.poison.value = float("nan") if step == 3 else None
+            model.zero_grad()
+            output = model(torch.randn(32, 8))
+            (loss_made_nan(output) if step in (5, 7) else output.mean()).backward()
+            assert probe._grads_kept == (step % 10 == 0 or step > 3), step
+    poisoned, *lossy = only(sink.events, "nonfinite")
+    assert (poisoned.step, poisoned.origin_stage) == (3, "backward")
+    assert poisoned.origin_layer == "poison" and "unit gradient" in poisoned.message
+    assert [(e.step, e.origin_stage) for e in lossy] == [(5, "loss"), (7, "loss")]
+    assert not any("unit gradient" in e.message for e in lossy)  # (replayed exactly)
+
+
+def test_a_nan_the_loss_made_between_logged_steps_is_laid_at_the_loss_door() -> None:
+    """The first bad step, not logged, its NaN made by the loss: the forward and a unit
+    backward stay finite, and the event names the loss, saying it was inferred (a logged
+    step's exact replay sees the non-finite gradient the loss sent)."""
+    model = LossMade()
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, log_every=10):
+        for step in range(6):
+            model.zero_grad()
+            output = model(torch.randn(32, 8))
+            (loss_made_nan(output) if step == 4 else output.mean()).backward()
+    (event,) = only(sink.events, "nonfinite")
+    assert (event.step, event.origin_stage) == (4, "loss")
+    assert "unit gradient at the model output too: most likely the loss made it" in event.message
 
 
 def test_the_output_gradient_is_released_when_the_next_forward_begins() -> None:
-    """The probe has autograd keep the output's gradient for a replay: readable after the
-    optimizer step, as a user's own ``retain_grad`` is, and released when the next forward
-    begins, so that it never adds to the peak memory of a forward and backward."""
+    """The probe has autograd keep the output's gradient for a replay on logged steps:
+    readable after the optimizer step, as a user's own ``retain_grad`` is, and released when
+    the next forward begins, so that it never adds to the peak memory of a forward and
+    backward. Steps between logged ones keep nothing."""
     model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     outputs = []
-    with gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer):
-        for _ in range(3):
+    with gradtrack.watch(model, backend=MemorySink(), optimizer=optimizer, log_every=2):
+        for step in range(5):
             optimizer.zero_grad()
             outputs.append(model(torch.randn(16, 8)))
-            if len(outputs) > 1:
+            if len(outputs) > 1 and outputs[-2].retains_grad:
                 assert outputs[-2].grad is None  # released as this forward began
             outputs[-1].pow(2).mean().backward()
             optimizer.step()
-            assert outputs[-1].grad is not None and outputs[-1].grad.shape == (16, 1)
+            if step % 2:
+                assert not outputs[-1].retains_grad  # not logged: nothing kept
+            else:
+                assert outputs[-1].grad is not None and outputs[-1].grad.shape == (16, 1)
 
 
 def test_the_cpu_generator_is_kept_only_once_a_forward_draws_from_it() -> None:
