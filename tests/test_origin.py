@@ -75,6 +75,24 @@ def test_a_gradient_the_model_did_not_make_is_not_pinned_on_a_module() -> None:
     assert "The replay's backward stayed finite: the model's own forward" in event.message
 
 
+def test_between_logged_steps_a_gradient_changed_after_backward_is_not_laid_on_the_loss() -> None:
+    """The same, between logged steps (a unit replay): the layer nearest the output kept a
+    finite gradient, so the loss did not send the NaN; the event says what else could."""
+    model = batchnorm_dropout_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    sink = MemorySink()
+    with gradtrack.watch(model, backend=sink, optimizer=optimizer, log_every=10):
+        for step in range(4):
+            optimizer.zero_grad()
+            model(torch.randn(32, 8)).pow(2).mean().backward()
+            if step == 3:
+                model[0].weight.grad[0, 0] = float("nan")
+            optimizer.step()
+    (event,) = only(sink.events, "nonfinite")
+    assert (event.step, event.origin_stage, event.origin_layer) == (3, "backward", "0")
+    assert "a gradient changed after backward (a hook, clipping code" in event.message
+
+
 def test_a_large_output_gradient_is_not_held_and_the_event_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -218,7 +236,10 @@ def test_a_nan_the_loss_made_between_logged_steps_is_laid_at_the_loss_door() -> 
             (loss_made_nan(output) if step == 4 else output.mean()).backward()
     (event,) = only(sink.events, "nonfinite")
     assert (event.step, event.origin_stage) == (4, "loss")
-    assert "unit gradient at the model output too: most likely the loss made it" in event.message
+    assert (
+        "unit gradient at the model output too, while the step's gradient is non-finite in"
+        " the layer nearest the output: most likely the loss made it" in event.message
+    )
 
 
 def test_the_output_gradient_is_released_when_the_next_forward_begins() -> None:

@@ -240,9 +240,11 @@ class _Replay:
             return Origin(None, "loss")
         if not reached:
             return Origin(None, None, "the model output had no gradient to replay")
-        made = self._backward_made()
-        if not made and self.unit:  # (the likeliest: the loss; a logged step would tell)
-            return Origin(None, "loss", _UNIT_FINITE_NOTE + " " + _FORWARD_NOTE)
+        made, order = self._backward_made()
+        if not made and self.unit:  # (the loss, where the layer nearest it got NaN/Inf too)
+            if self._nearest_output_bad(order):
+                return Origin(None, "loss", _UNIT_LOSS_NOTE + " " + _FORWARD_NOTE)
+            return Origin(None, None, _UNIT_AFTER_NOTE + " " + _FORWARD_NOTE)
         if not made:
             return Origin(
                 None,
@@ -273,10 +275,21 @@ class _Replay:
         finite = _read([flag for _, flag in forward])
         return [name for (name, _), ok in zip(forward, finite) if not ok]
 
-    def _backward_made(self) -> list[str]:
+    def _nearest_output_bad(self, order: list[str]) -> bool:
+        """Whether the step's own gradient (``.grad``, as backward left it) is non-finite in
+        the first module of ``order`` (backward order) that holds one: a NaN the loss sent
+        reaches every layer, one written into a gradient after backward only that layer."""
+        modules = {name: module for module, name in self.names.items()}
+        for name in order:
+            grads = [p.grad for p in modules[name].parameters(recurse=False) if p.grad is not None]
+            if grads:
+                return not _finite(grads)
+        return False
+
+    def _backward_made(self) -> tuple[list[str], list[str]]:
         """The modules, in backward order, that made a non-finite gradient in the backward
         from ``output_grads``: their output gradient was finite, and their input gradient (or
-        their own parameters') was not."""
+        their own parameters') was not; and every module, in backward order."""
         names = self.names
         backward: list[tuple[str, Tensor, Tensor]] = []  # (module, output/input gradient finite)
 
@@ -303,11 +316,12 @@ class _Replay:
         owners, own_flags = _own_gradients_finite(names, params, grads)
         flags = _read([f for _, out_ok, in_ok in backward for f in (out_ok, in_ok)] + own_flags)
         own_bad = {names[m] for m, ok in zip(owners, flags[2 * len(backward) :]) if not ok}
-        return [
+        made = [
             name
             for k, (name, _, _) in enumerate(backward)
             if flags[2 * k] and (not flags[2 * k + 1] or name in own_bad)
         ]
+        return made, [name for name, _, _ in backward]
 
 
 def _own_gradients_finite(
@@ -330,16 +344,21 @@ def _shown(path: str) -> str:
     return path or ROOT_LAYER_NAME
 
 
-_UNIT_NOTE = (
-    "(the backward replayed from a unit gradient at the model output: the gradient that "
-    "reached it is kept on logged steps, and on every step once a bad one was seen)"
+_UNIT_KEPT = (
+    "the gradient that reached the model output is kept on logged steps, and on every step "
+    "once a bad one was seen"
 )
-_UNIT_FINITE_NOTE = (
+_UNIT_NOTE = "(the backward replayed from a unit gradient at the model output: " + _UNIT_KEPT + ")"
+_UNIT_LOSS_NOTE = (
     "the forward stayed finite, and a backward replayed from a unit gradient at the model "
-    "output too: most likely the loss made it, or the size of the gradient it sent (else a "
-    "gradient changed after backward: a hook, clipping code, a collective); the gradient "
-    "that reached the output is kept on logged steps, and on every step once a bad one was "
-    "seen"
+    "output too, while the step's gradient is non-finite in the layer nearest the output: "
+    "most likely the loss made it, or the size of the gradient it sent (" + _UNIT_KEPT + ")"
+)
+_UNIT_AFTER_NOTE = (
+    "the replay's forward stayed finite, and a backward from a unit gradient at the model "
+    "output too, while the layer nearest the output has a finite gradient: a gradient "
+    "changed after backward (a hook, clipping code, a collective), or the step's own output "
+    "gradient made it deeper in (" + _UNIT_KEPT + ")"
 )
 _FORWARD_NOTE = (
     "(replayed from the inputs the model received: randomness other than the CPU generator's "
