@@ -2,6 +2,7 @@
 
     python -m benchmarks.fastloop [--models tight tiny300] [--rounds 3] [--steps 2000]
                                   [--variants none floor ...] [--threads 1] [--chunk 100]
+                                  [--against REV]
 
 Steps of 13-125 ms (`benchmarks.overhead`) hide a fixed cost of a millisecond; a 0.6 ms step
 does not. Two models, trained with SGD and ``optimizer=`` given:
@@ -38,6 +39,10 @@ Python (assembly, rules, sinks) no longer runs in it — the bound a worker in a
 could reach, before the cost of handing it each step. ``defaults_mlflow_thread`` and
 ``every_step_mlflow_thread`` are the MLflow variants with ``delivery.process=False``: the
 worker a thread of the training process, as before the worker process (#39).
+
+``--against REV`` measures a change: each variant runs once per round in this checkout and once
+in git revision ``REV`` (extracted with ``git archive``; its own ``benchmarks.fastloop`` and
+``gradtrack`` in its child), in turn, and the table gives both medians and their difference.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ DESIGN_VARIANTS = (
 )
 CHUNK = 100
 WARMUP = 200
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_model(name: str) -> nn.Module:
@@ -225,15 +231,61 @@ def child(
 
 
 def run_child(
-    model: str, variant: str, steps: int, threads: int, chunk: int = CHUNK
+    model: str,
+    variant: str,
+    steps: int,
+    threads: int,
+    chunk: int = CHUNK,
+    tree: Path | None = None,
 ) -> dict[str, Any]:
+    """One variant's `child` in a process of its own: this checkout's, or ``tree``'s (a
+    revision's files: its own benchmark and its own gradtrack)."""
     command = [sys.executable, "-m", "benchmarks.fastloop", "--child", model, variant]
-    command += ["--steps", str(steps), "--threads", str(threads), "--chunk", str(chunk)]
+    command += ["--steps", str(steps), "--threads", str(threads)]
+    if chunk != CHUNK:  # (a revision older than ``--chunk`` runs its own, the same)
+        command += ["--chunk", str(chunk)]
     env = dict(os.environ, WANDB_SILENT="true", PYTHONWARNINGS="ignore")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, check=False, cwd=tree or ROOT
+    )
     if done.returncode != 0:
-        raise SystemExit(f"{model}/{variant} failed:\n{done.stderr[-3000:]}")
+        where = f" at {tree}" if tree is not None else ""
+        raise SystemExit(f"{model}/{variant}{where} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def against(revision: str, args: argparse.Namespace, variants: list[str]) -> None:
+    """Each variant in this checkout and in ``revision``, in turn, round by round."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp)
+        archive = subprocess.run(
+            ["git", "archive", revision], cwd=ROOT, capture_output=True, check=False
+        )
+        if archive.returncode != 0:
+            raise SystemExit(f"git archive {revision} failed: {archive.stderr.decode()[-500:]}")
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        for model in args.models:
+            results: dict[tuple[str, bool], list[float]] = {}
+            for round_ in range(args.rounds):
+                for variant in variants:
+                    order = (True, False) if round_ % 2 else (False, True)
+                    for here in order:
+                        result = run_child(
+                            model, variant, args.steps, args.threads, args.chunk,
+                            None if here else tree,
+                        )  # fmt: skip
+                        results.setdefault((variant, here), []).append(result["ratio"])
+            print(f"\n{model}: {revision} against this checkout, {args.rounds} rounds")
+            print(f"| variant | {revision} | this checkout | difference | per round |")
+            print("| --- | --- | --- | --- | --- |")
+            for variant in variants:
+                was, now = results[(variant, False)], results[(variant, True)]
+                was_m, now_m = statistics.median(was), statistics.median(now)
+                rounds = " ".join(f"{a:.3f}→{b:.3f}" for a, b in zip(was, now))
+                difference = f"{now_m - was_m:+.3f}"
+                print(f"| {variant} | {was_m:.3f}× | {now_m:.3f}× | {difference} | {rounds} |")
 
 
 def main() -> None:
@@ -246,11 +298,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=CHUNK, help="steps in turn, each half")
+    parser.add_argument("--against", metavar="REV", help="a git revision to compare with")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     if args.child:
         model, variant = args.child
         print(json.dumps(child(model, variant, args.steps, args.threads, args.chunk)))
+        return
+    if args.against:
+        against(args.against, args, list(args.variants))
         return
     variants = ["none"] + [v for v in args.variants if v != "none"]
     for model in args.models:
