@@ -133,7 +133,7 @@ class Handover:
             return
         held, self._held = self._held, None
         follows, self._follows = self._follows, None
-        if (held is None and follows is None) or self.updates is None:
+        if self.updates is None:
             return
         step = held.step if held is not None else follows
         update = None
