@@ -2,7 +2,7 @@
 
     python -m benchmarks.fastloop [--models tight tiny300] [--rounds 3] [--steps 2000]
                                   [--variants none floor ...] [--threads 1] [--chunk 100]
-                                  [--against REV]
+                                  [--against REV] [--phases]
 
 Steps of 13-125 ms (`benchmarks.overhead`) hide a fixed cost of a millisecond; a 0.6 ms step
 does not. Two models, trained with SGD and ``optimizer=`` given:
@@ -39,6 +39,12 @@ Python (assembly, rules, sinks) no longer runs in it — the bound a worker in a
 could reach, before the cost of handing it each step. ``defaults_mlflow_thread`` and
 ``every_step_mlflow_thread`` are the MLflow variants with ``delivery.process=False``: the
 worker a thread of the training process, as before the worker process (#39).
+
+``--phases`` says where the cost lands in the log cycle: each variant's extra µs over the
+unwatched copy in each part of a step (forward, backward, optimizer step), by the step's
+phase modulo 10 (step 0 of 10 is logged at the defaults), medians over rounds. A logged
+step's cost is not only its own: the Python it runs evicts the loop's caches, and the next
+steps pay for it.
 
 ``--against REV`` measures a change: each variant runs once per round in this checkout and once
 in git revision ``REV`` (extracted with ``git archive``; its own ``benchmarks.fastloop`` and
@@ -81,7 +87,8 @@ DESIGN_VARIANTS = (
     "every_step_mlflow_thread",
 )
 CHUNK = 100
-WARMUP = 200
+WARMUP = 200  # (a multiple of LOG_EVERY: the loop's steps and gradtrack's share their phase)
+LOG_EVERY = 10  # gradtrack's default, which the variants keep but for every_step and guard
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -160,14 +167,19 @@ class Loop:
         self.params = list(model.parameters())
         self.step = 0
 
-    def run(self, steps: int) -> float:
-        """Train ``steps`` steps; the time per step."""
+    def run(self, steps: int, parts: list[tuple[float, float, float]] | None = None) -> float:
+        """Train ``steps`` steps; the time per step. ``parts``: each step's forward (with
+        ``zero_grad`` and the loss), backward and optimizer step (the rest) appended to it."""
         x, y = self.batch
-        start = time.perf_counter()
+        clock = time.perf_counter
+        start = clock()
         for _ in range(steps):
+            began = clock()
             self.optimizer.zero_grad()
             loss = nn.functional.mse_loss(self.model(x), y)
+            forward = clock()
             loss.backward()
+            backward = clock()
             if self.variant == "floor":
                 norms = torch._foreach_norm([p.grad for p in self.params])  # type: ignore[misc]
                 if self.step % 10 == 0:
@@ -178,11 +190,35 @@ class Loop:
                     norm.item()
             self.optimizer.step()
             self.step += 1
-        return (time.perf_counter() - start) / steps
+            if parts is not None:
+                parts.append((forward - began, backward - forward, clock() - backward))
+        return (clock() - start) / steps
+
+
+def phase_costs(
+    base: list[tuple[float, float, float]], watched: list[tuple[float, float, float]]
+) -> list[list[float]]:
+    """Per phase of the log cycle (the watched loop's step modulo `LOG_EVERY`, its steps
+    counted from 0 as gradtrack counts them), the median extra µs of each part of a step —
+    forward, backward, optimizer step — over the unwatched loop's median."""
+    typical = [statistics.median(step[part] for step in base) for part in range(3)]
+    return [
+        [
+            (statistics.median(step[part] for step in watched[phase::LOG_EVERY]) - typical[part])
+            * 1e6
+            for part in range(3)
+        ]
+        for phase in range(LOG_EVERY)
+    ]
 
 
 def child(
-    model_name: str, variant: str, steps: int, threads: int, chunk: int = CHUNK
+    model_name: str,
+    variant: str,
+    steps: int,
+    threads: int,
+    chunk: int = CHUNK,
+    phases: bool = False,
 ) -> dict[str, Any]:
     """One variant's run, in this process, beside an unwatched copy of the same model (this
     process's own base: processes differ by tens of percent on this machine): chunks of
@@ -206,11 +242,15 @@ def child(
         base.run(WARMUP)
         watched.run(WARMUP)
         ratios, times = [], []
+        base_parts: list[tuple[float, float, float]] | None = [] if phases else None
+        watched_parts: list[tuple[float, float, float]] | None = [] if phases else None
         for pair in range(max(1, steps // chunk)):
             if pair % 2:
-                variant_s, base_s = watched.run(chunk), base.run(chunk)
+                variant_s = watched.run(chunk, watched_parts)
+                base_s = base.run(chunk, base_parts)
             else:
-                base_s, variant_s = base.run(chunk), watched.run(chunk)
+                base_s = base.run(chunk, base_parts)
+                variant_s = watched.run(chunk, watched_parts)
             ratios.append(variant_s / base_s)
             times.append(variant_s)
         start = time.perf_counter()
@@ -227,6 +267,7 @@ def child(
         "step_s": statistics.median(times),
         "close_s": closing,
         "stored": stored,
+        "phases": phase_costs(base_parts, watched_parts) if base_parts and watched_parts else None,
     }
 
 
@@ -237,6 +278,7 @@ def run_child(
     threads: int,
     chunk: int = CHUNK,
     tree: Path | None = None,
+    phases: bool = False,
 ) -> dict[str, Any]:
     """One variant's `child` in a process of its own: this checkout's, or ``tree``'s (a
     revision's files: its own benchmark and its own gradtrack)."""
@@ -244,6 +286,8 @@ def run_child(
     command += ["--steps", str(steps), "--threads", str(threads)]
     if chunk != CHUNK:  # (a revision older than ``--chunk`` runs its own, the same)
         command += ["--chunk", str(chunk)]
+    if phases:
+        command.append("--phases")
     env = dict(os.environ, WANDB_SILENT="true", PYTHONWARNINGS="ignore")
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
@@ -299,11 +343,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=CHUNK, help="steps in turn, each half")
     parser.add_argument("--against", metavar="REV", help="a git revision to compare with")
+    parser.add_argument(
+        "--phases", action="store_true", help="where in the log cycle each variant's cost lands"
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"))
     args = parser.parse_args()
     if args.child:
         model, variant = args.child
-        print(json.dumps(child(model, variant, args.steps, args.threads, args.chunk)))
+        result = child(model, variant, args.steps, args.threads, args.chunk, args.phases)
+        print(json.dumps(result))
         return
     if args.against:
         against(args.against, args, list(args.variants))
@@ -313,7 +361,9 @@ def main() -> None:
         results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for variant in variants:
-                result = run_child(model, variant, args.steps, args.threads, args.chunk)
+                result = run_child(
+                    model, variant, args.steps, args.threads, args.chunk, phases=args.phases
+                )
                 results[variant].append(result)
         base = statistics.median(r["step_s"] for r in results["none"])
         print(f"\n{model}: no monitoring {base * 1e3:.3f} ms/step, {args.rounds} rounds")
@@ -330,6 +380,26 @@ def main() -> None:
                 f"{statistics.median(times) * 1e3:.3f} | {closes:.2f} | "
                 f"{'' if stored is None else stored} |"
             )
+        if args.phases:
+            print_phases(model, variants, results)
+
+
+def print_phases(model: str, variants: list[str], results: dict[str, list[dict[str, Any]]]) -> None:
+    """Each variant's extra µs per part of a step, by phase of the log cycle (medians over
+    rounds): where a logged step's cost lands — in its own optimizer step (the hook that ends
+    it), and in the steps around it."""
+    print(f"\n{model}: extra µs over no monitoring, forward / backward / optimizer step")
+    print("| variant | " + " | ".join(f"step % {LOG_EVERY} = {p}" for p in range(LOG_EVERY)) + " |")
+    print("| --- " * (LOG_EVERY + 1) + "|")
+    for variant in variants:
+        rounds = [r["phases"] for r in results[variant] if r.get("phases")]
+        if not rounds or variant == "none":
+            continue
+        cells = []
+        for phase in range(LOG_EVERY):
+            parts = [statistics.median(r[phase][part] for r in rounds) for part in range(3)]
+            cells.append(" / ".join(f"{value:.0f}" for value in parts))
+        print(f"| {variant} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
