@@ -16,7 +16,7 @@ from gradtrack.capture.collect import Collector
 from gradtrack.capture.layers import discover_layers
 from gradtrack.capture.verdict import BadStepLatch
 from gradtrack.config import GradtrackConfig
-from gradtrack.handoff.layout import StepEvidence
+from gradtrack.handoff.layout import KeptOutputs, StepEvidence
 from gradtrack.handoff.mailbox import PendingStep
 from gradtrack.worker.assemble import Assembler
 
@@ -89,6 +89,26 @@ def test_host_values_pack_as_the_tensors_they_stand_for() -> None:
     read = layout.read(values)
     np.testing.assert_array_equal(read.spike, spike)
     assert read.flight.tolist() == flight and read.scalar("output_finite") == 1.0
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["copied-whole", "rows"])
+def test_a_cpu_part_packs_its_evidence_where_it_is_read(whole: bool) -> None:
+    """A CPU step's evidence leaves the training thread unpacked (the worker packs it); what
+    the worker reads is what the step held, though the loop changes its own output after."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
+    collector, _ = _parts(model, GradtrackConfig())
+    collector.whole.here = whole
+    _backward(model)
+    output = torch.ones(3)
+    evidence = StepEvidence(spike=[0.5, 1.0, 0.0], kept_outputs=KeptOutputs([output], []))
+    (part,) = collector.collect(collector.guard(), with_samples=False, evidence=evidence)
+    assert part.cpu_evidence is None and part.unpacked is not None
+    assert (part.flat is not None) is whole
+    output.fill_(math.nan)  # (the loop reuses its tensor once the step is handed on)
+    read = part.evidence()
+    assert read.scalar("output_finite") == 1.0
+    assert read.spike.tolist() == [0.5, 1.0, 0.0]
+    assert part.unpacked is None
 
 
 def test_a_nonfinite_step_is_counted_and_alerts() -> None:

@@ -511,16 +511,17 @@ def cpu_part(
     flat: FlatGrads | None = None,
 ) -> HostPart:
     """A CPU device's `HostPart`: nothing to copy, the worker reads these tensors (its rows
-    in ``buffer``, or its gradients in ``flat``)."""
-    layout, values = (EvidenceLayout(), None) if evidence is None else evidence.on_host()
+    in ``buffer``, or its gradients in ``flat``) and packs the step's evidence (the user's
+    own output tensors, where kept unchecked, are checked now: the loop may change them)."""
+    if evidence is not None:
+        evidence.check_kept()
     return HostPart(
         tensor_index,
         sample_counts,
         buffer=buffer,
-        evidence_layout=layout,
-        cpu_evidence=values,
         cpu_samples=(torch.cat(samples) if len(samples) > 1 else samples[0]) if samples else None,
         flat=flat,
+        unpacked=evidence,
     )
 
 
