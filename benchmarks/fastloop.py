@@ -88,7 +88,7 @@ DESIGN_VARIANTS = (
 )
 CHUNK = 100
 WARMUP = 200  # (a multiple of LOG_EVERY: the loop's steps and gradtrack's share their phase)
-LOG_EVERY = 10  # gradtrack's default, which the variants keep but for every_step and guard
+LOG_EVERY = 10  # gradtrack's default: every variant's cadence but every_step's and guard's
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -115,7 +115,7 @@ def _watch(variant: str, model: nn.Module, optimizer: Any, work: Path) -> Any:
             model, MemorySink(), optimizer=optimizer, log_every=10**9, histograms={"every": None}
         )
     if variant in ("defaults", "every_step", "defaults_no_worker", "every_step_no_worker"):
-        every = 1 if variant.startswith("every_step") else 10
+        every = 1 if variant.startswith("every_step") else LOG_EVERY
         watcher = gradtrack.watch(model, MemorySink(), optimizer=optimizer, log_every=every)
         if variant.endswith("_no_worker"):
 
@@ -127,7 +127,7 @@ def _watch(variant: str, model: nn.Module, optimizer: Any, work: Path) -> Any:
             watcher.worker._process = drop  # type: ignore[attr-defined]
         return watcher
     if "_mlflow" in variant:
-        every = 1 if variant.startswith("every_step") else 10
+        every = 1 if variant.startswith("every_step") else LOG_EVERY
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
         apart = not variant.endswith("_thread")  # the worker in a child process, or a thread
         return gradtrack.watch(
@@ -142,7 +142,7 @@ def _watch(variant: str, model: nn.Module, optimizer: Any, work: Path) -> Any:
         import wandb
 
         wandb.init(mode="offline", dir=str(work), project="fastloop")
-        wandb.watch(model, log="gradients", log_freq=10)
+        wandb.watch(model, log="gradients", log_freq=LOG_EVERY)
         return None
     return None
 
@@ -182,11 +182,11 @@ class Loop:
             backward = clock()
             if self.variant == "floor":
                 norms = torch._foreach_norm([p.grad for p in self.params])  # type: ignore[misc]
-                if self.step % 10 == 0:
+                if self.step % LOG_EVERY == 0:
                     torch.stack(norms).cpu()
             elif self.variant == "hf":
                 norm = nn.utils.clip_grad_norm_(self.params, 1e9)
-                if self.step % 10 == 0:
+                if self.step % LOG_EVERY == 0:
                     norm.item()
             self.optimizer.step()
             self.step += 1
