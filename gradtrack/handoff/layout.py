@@ -483,8 +483,8 @@ class HostPart:
         return self.buffer.numpy()[: self._float64_words].view(np.float64)
 
     def _reduce_flat(self) -> None:
-        """A small step's copy reduced, once: its rows, and its output's checks taken into
-        its evidence."""
+        """The part made ready to read, once: its evidence packed (`_pack`) and, for a small
+        step, its copy reduced to its rows, its output's checks taken into its evidence."""
         self._pack()
         if self.flat is None:
             return
