@@ -471,6 +471,23 @@ def test_a_process_forked_from_the_trainer_frees_no_room_of_the_ring() -> None:
     assert shared.empty(256) is not None
 
 
+def test_a_watch_logging_more_often_gets_a_larger_ring(tmp_path: Path) -> None:
+    """The ring holds as many logged steps' copies whatever ``log_every`` is, within
+    16-64 MiB: a watch logging every step gets four times the default's (10), whose child
+    would otherwise leave it full between its bursts of reading."""
+    from gradtrack.handoff.shared import RING_BYTES, RING_MAX_BYTES
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sizes = {}
+    for every in (1, 10):
+        with gradtrack.watch(
+            mlp(), "mlflow", log_every=every, mlflow={"tracking_uri": uri}
+        ) as watcher:
+            assert isinstance(watcher.worker, WorkerProcess) and watcher.worker.shared is not None
+            sizes[every] = watcher.worker.shared.size
+    assert sizes == {1: RING_MAX_BYTES, 10: RING_BYTES}
+
+
 @pytest.mark.slow
 def test_steps_whose_copies_lay_in_shared_memory_or_did_not_are_stored_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -483,7 +500,9 @@ def test_steps_whose_copies_lay_in_shared_memory_or_did_not_are_stored_exact(
     from gradtrack.handoff.shared import SharedCopies
 
     create = SharedCopies.create.__func__  # type: ignore[attr-defined]
-    monkeypatch.setattr(SharedCopies, "create", classmethod(lambda cls: create(cls, 64 << 10)))
+    monkeypatch.setattr(
+        SharedCopies, "create", classmethod(lambda cls, _size: create(cls, 64 << 10))
+    )
     laid, full = [], []
     empty = SharedCopies.empty
 

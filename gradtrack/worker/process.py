@@ -67,7 +67,7 @@ from gradtrack.handoff.mailbox import (
     Reply,
     UpdateFollowUp,
 )
-from gradtrack.handoff.shared import SharedCopies, attach, shared_copy
+from gradtrack.handoff.shared import SharedCopies, attach, ring_bytes, shared_copy
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import logger, report
 from gradtrack.sinks import made_apart
@@ -125,9 +125,10 @@ class Spawned:
     shared: SharedCopies | None
 
     @classmethod
-    def start(cls) -> Spawned:
-        """A child and its ring, the child importing its worker while it waits."""
-        shared = SharedCopies.create()
+    def start(cls, log_every: int) -> Spawned:
+        """A child and its ring (sized for a watch logging every ``log_every`` steps,
+        `ring_bytes`), the child importing its worker while it waits."""
+        shared = SharedCopies.create(ring_bytes(log_every))
         return cls(*_spawn(shared), shared)
 
     def close(self) -> None:
@@ -152,7 +153,7 @@ def spawn_early(backend: object, config: GradtrackConfig) -> Spawned | None:
     if not _may_run_apart(config) or not made_apart(backend):
         return None
     try:
-        return Spawned.start()
+        return Spawned.start(config.log_every)
     except OSError:
         return None
 
@@ -190,7 +191,7 @@ class WorkerProcess:
         self._stopping = False
         self._gone = threading.Event()  # the child exited (its end of the pipe closed)
         setup = _Setup(plan, [as_sink_base(sink).recipe() or {} for sink in self._sinks])
-        spawned = spawned or Spawned.start()
+        spawned = spawned or Spawned.start(plan.config.log_every)
         # Where the training thread lays a small step's copies, read by the child in place.
         self.shared = spawned.shared
         self._process, self._to_child = spawned.process, spawned.to_child
