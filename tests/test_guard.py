@@ -178,6 +178,53 @@ def test_many_small_tensors_plain_pass_is_packed_and_matches_the_exact_norms() -
     assert plain.devices[0].l2[12] == pytest.approx(2e-25, rel=1e-6)  # layer 6's weight
 
 
+@pytest.mark.parametrize("ring", [False, True], ids=["own-copy", "shared-ring"])
+def test_a_logged_step_of_many_small_tensors_concatenates_its_gradients_once(
+    ring: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A logged step of a small CPU model goes to the worker as one copy of its gradients end
+    to end, and the guard's packed pass over many small tensors concatenates them too: once
+    a step serves both (a concatenation costs ~0.5 µs a tensor). The copy is the step's: a
+    change to the gradients after it does not reach the record, in an ordinary tensor or in
+    the ring a worker process reads."""
+    from gradtrack.capture import collect, stats
+    from gradtrack.handoff.shared import SharedCopies
+
+    model = tiny_layers()
+    params = list(model.parameters())
+    concatenated: list[int] = []  # each concatenation of the gradients: its tensors
+    flatten = stats.flatten
+
+    def counting(tensors: list[torch.Tensor]) -> torch.Tensor:
+        first = params[0].grad
+        if first is not None and any(t.data_ptr() == first.data_ptr() for t in tensors):
+            concatenated.append(len(tensors))
+        return flatten(tensors)
+
+    monkeypatch.setattr(collect, "flatten", counting)
+    monkeypatch.setattr(stats, "flatten", counting)
+    sink, expected = MemorySink(), []
+    with gradtrack.watch(model, backend=sink, log_every=1) as watcher:
+        if ring:
+            watcher.collector.whole.shared = SharedCopies.create(1 << 20)
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(3, 4)).pow(2).sum().backward()  # (the step ends here)
+            expected.append(
+                [
+                    float(torch.cat([p.grad.reshape(-1) for p in pair]).norm())
+                    for pair in zip(params[::2], params[1::2])
+                ]
+            )
+            for param in params:
+                param.grad.fill_(7.0)  # (after the step: not what it logged)
+        watcher.flush()
+    assert concatenated == [len(params)] * 3  # (one a logged step)
+    assert [r.step for r in sink.records] == [0, 1, 2]
+    for record, norms in zip(sink.records, expected):
+        np.testing.assert_allclose(record.column("norm"), norms, rtol=1e-6)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_nonfinite_step_among_many_small_tensors_is_caught_at_its_step(bad: float) -> None:
     """Unlogged steps of a model of many small layers take the packed plain pass: a NaN or

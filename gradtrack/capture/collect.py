@@ -29,6 +29,7 @@ from gradtrack.capture.stats import (
     l2_norms,
     nonfinite_counts,
     pack_offsets,
+    packed_l2_norms,
     sample_bounds,
     sample_elements,
     start_offsets,
@@ -72,6 +73,9 @@ class DeviceGrads:
     groups: list[tuple[slice, list[Tensor]]]  # per dtype: its rows and its gradients
     l2: Tensor  # float64 [rows], on the device
     deferred: bool = False
+    # Where deferred and packed: the gradients end to end, as the guard concatenated them
+    # for their norms (a new tensor), which the step's copy is made from.
+    flat: Tensor | None = None
 
 
 class GroupPlan(NamedTuple):
@@ -287,9 +291,15 @@ class WholeCopies:
             kept = None
         numels = tuple(g.numel() for g in grads)
         sizes = None if kept is None else kept.sizes()  # (its outputs' and their gradients')
-        # (a copy: the user may change the gradients after the step)
-        together = grads if kept is None else [*grads, *kept.outputs, *kept.grads]
-        values = self.copy(together, sum(numels) + (0 if sizes is None else sizes[0] + sizes[1]))
+        # (a copy: the user may change the gradients after the step; the guard's concatenation
+        # is one already, made in this step)
+        copied = grads if part.flat is None else [part.flat]
+        together = copied if kept is None else [*copied, *kept.outputs, *kept.grads]
+        numel = sum(numels) + (0 if sizes is None else sizes[0] + sizes[1])
+        if part.flat is not None and kept is None and self.shared is None:
+            values = part.flat  # (its own tensor: nothing to copy)
+        else:
+            values = self.copy(together, numel)
         offsets = self._offsets.get(numels)
         if offsets is None:  # (a new layout: kept, as the plans are)
             if len(self._offsets) > 64:
@@ -397,12 +407,20 @@ class Collector:
         foreach_only = device.type != "cpu" if self.foreach_only is None else self.foreach_only
         # (deferred: the worker's rows are exact; the guard's verdict needs only the plain pass)
         deferred = exact and self.whole.fits_plan(plan, foreach_only)
-        norms = [
-            l2_norms(
-                grads, on_host=not foreach_only, exact=exact and not deferred, packed=group.offsets
-            )
-            for group, grads in zip(plan.groups, groups)
-        ]
+        flat = None
+        if deferred and plan.groups[0].offsets is not None:  # (one fp32 group, packed)
+            flat = flatten(groups[0])  # (concatenated once: for the norms and the copy)
+            norms = [packed_l2_norms(flat, plan.groups[0].offsets)]
+        else:
+            norms = [
+                l2_norms(
+                    grads,
+                    on_host=not foreach_only,
+                    exact=exact and not deferred,
+                    packed=group.offsets,
+                )
+                for group, grads in zip(plan.groups, groups)
+            ]
         return DeviceGrads(
             device,
             foreach_only,
@@ -410,6 +428,7 @@ class Collector:
             list(zip(plan.slices, groups)),
             torch.cat(norms) if len(norms) > 1 else norms[0],
             deferred,
+            flat,
         )
 
     def collect(

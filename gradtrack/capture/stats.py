@@ -202,10 +202,11 @@ def start_offsets(numels: Sequence[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(numels[:-1])]).astype(np.int64)
 
 
-def packed_l2_norms(grads: list[Tensor], offsets: np.ndarray) -> Tensor:
+def packed_l2_norms(grads: list[Tensor] | Tensor, offsets: np.ndarray) -> Tensor:
     """float64 L2 norms of many small fp32 CPU tensors in one pass: concatenated by one C++
     call, squared in fp64 (no fp32 value overflows or underflows there) and summed by
     segment (``offsets``: each tensor's first element in the concatenation, none empty).
+    ``grads`` may be that concatenation already (`flatten`'s).
 
     >>> grads = [torch.tensor([3.0, -4.0]), torch.tensor([[1e-30]]), torch.tensor([1e30])]
     >>> packed_l2_norms(grads, np.array([0, 2, 3]))
@@ -214,9 +215,10 @@ def packed_l2_norms(grads: list[Tensor], offsets: np.ndarray) -> Tensor:
     return torch.from_numpy(np.sqrt(packed_squares(grads, offsets)))
 
 
-def packed_squares(grads: list[Tensor], offsets: np.ndarray) -> np.ndarray:
+def packed_squares(grads: list[Tensor] | Tensor, offsets: np.ndarray) -> np.ndarray:
     """float64 squared L2 norms of many small fp32 CPU tensors (see `packed_l2_norms`)."""
-    return np.add.reduceat(np.square(flatten(grads).numpy(), dtype=np.float64), offsets)
+    values = grads if isinstance(grads, Tensor) else flatten(grads)
+    return np.add.reduceat(np.square(values.numpy(), dtype=np.float64), offsets)
 
 
 def stat_rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) -> Tensor:
