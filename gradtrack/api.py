@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from gradtrack.capture.collect import ring_size
 from gradtrack.capture.distributed import writes_to_sinks
 from gradtrack.capture.layers import unwrap_model
 from gradtrack.capture.probes import StepSource
@@ -104,7 +105,7 @@ def open_watcher(
             spec = backend()
             # A worker process that will run apart starts now: its imports overlap the
             # building of the sinks.
-            spawned = spawn_early(spec, config)
+            spawned = spawn_early(spec, config, ring_size(config.log_every, model.parameters()))
             sinks = build_sinks(spec, config)
         watcher = Watcher(model, sinks, config, spawned=spawned, **options)
     except BaseException:

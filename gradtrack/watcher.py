@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gradtrack import lifecycle
-from gradtrack.capture.collect import Collector
+from gradtrack.capture.collect import Collector, ring_size
 from gradtrack.capture.distributed import is_dtensor, rank_group, replicated
 from gradtrack.capture.layers import (
     activation_modules,
@@ -140,8 +140,9 @@ class Watcher:
         self.worker: Worker | WorkerProcess
         if runs_apart(sinks, config):
             try:
+                ring = ring_size(config.log_every, self.collector.params)
                 self.worker = WorkerProcess(
-                    self.plan, sinks, self.mailbox, act, self.drops, spawned
+                    self.plan, sinks, self.mailbox, act, self.drops, spawned, ring
                 )
                 self.collector.whole.shared = self.worker.shared  # (read there in place)
                 return

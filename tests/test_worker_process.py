@@ -471,21 +471,26 @@ def test_a_process_forked_from_the_trainer_frees_no_room_of_the_ring() -> None:
     assert shared.empty(256) is not None
 
 
-def test_a_watch_logging_more_often_gets_a_larger_ring(tmp_path: Path) -> None:
+def test_the_ring_is_sized_for_how_often_steps_are_logged_and_made_only_where_used(
+    tmp_path: Path,
+) -> None:
     """The ring holds as many logged steps' copies whatever ``log_every`` is, within
     16-64 MiB: a watch logging every step gets four times the default's (10), whose child
-    would otherwise leave it full between its bursts of reading."""
+    would otherwise leave it full between its bursts of reading. A model whose steps are never
+    copied whole (more than `DEFER_BELOW_ELEMENTS` weights, or not fp32) gets none."""
+    from gradtrack.capture.collect import DEFER_BELOW_ELEMENTS
     from gradtrack.handoff.shared import RING_BYTES, RING_MAX_BYTES
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    large = nn.Linear(256, DEFER_BELOW_ELEMENTS // 256 + 1)
+    models = {"every": (mlp(), 1), "default": (mlp(), 10), "large": (large, 1)}
+    models["fp64"] = (mlp().double(), 1)
     sizes = {}
-    for every in (1, 10):
-        with gradtrack.watch(
-            mlp(), "mlflow", log_every=every, mlflow={"tracking_uri": uri}
-        ) as watcher:
-            assert isinstance(watcher.worker, WorkerProcess) and watcher.worker.shared is not None
-            sizes[every] = watcher.worker.shared.size
-    assert sizes == {1: RING_MAX_BYTES, 10: RING_BYTES}
+    for name, (model, every) in models.items():
+        with gradtrack.watch(model, "mlflow", log_every=every, mlflow={"tracking_uri": uri}) as w:
+            assert isinstance(w.worker, WorkerProcess)
+            sizes[name] = None if w.worker.shared is None else w.worker.shared.size
+    assert sizes == {"every": RING_MAX_BYTES, "default": RING_BYTES, "large": None, "fp64": None}
 
 
 @pytest.mark.slow

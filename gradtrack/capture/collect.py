@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,7 +45,7 @@ from gradtrack.handoff.layout import (
     StepEvidence,
     TensorIndex,
 )
-from gradtrack.handoff.shared import SharedCopies
+from gradtrack.handoff.shared import SharedCopies, ring_bytes
 
 _LAYOUT = operator.attrgetter("layout")
 # A layout: each gradient's (None where absent), and whether each parameter requires one.
@@ -221,6 +221,34 @@ class Sampler:
         return sample_elements(grads, counts, self._generators[device], self._bounds[key])
 
 
+def fits_whole(tensors: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` are few enough dense fp32 CPU tensors, none empty, to be copied
+    whole (`WholeCopies`).
+
+    >>> fits_whole([torch.zeros(3, 4)]), fits_whole([torch.zeros(3, dtype=torch.float64)])
+    (True, False)
+    """
+    return (
+        bool(tensors)
+        and all(
+            t.device.type == "cpu"
+            and t.dtype == torch.float32
+            and t.layout == torch.strided
+            and t.numel() > 0
+            for t in tensors
+        )
+        and sum(t.numel() for t in tensors) <= DEFER_BELOW_ELEMENTS
+    )
+
+
+def ring_size(log_every: int, params: Iterable[Tensor]) -> int:
+    """The bytes of the ring a worker process shares for a watch of ``params`` (`ring_bytes`),
+    or 0 where no logged step would lay a copy in it: trainable weights that are not few
+    dense fp32 CPU tensors (an accelerator's, a larger model's) are never copied whole."""
+    trainable = [p for p in params if p.requires_grad]
+    return ring_bytes(log_every) if fits_whole(trainable) else 0
+
+
 class WholeCopies:
     """A small model on the CPU: what the worker reduces from one copy, where the training
     thread would otherwise pay a dozen small reductions in per-call Python — a logged step's
@@ -251,18 +279,7 @@ class WholeCopies:
 
     def fit(self, tensors: Sequence[Tensor]) -> bool:
         """Whether ``tensors`` (the weights) are handed off whole: none empty."""
-        return (
-            self.here
-            and bool(tensors)
-            and all(
-                t.device.type == "cpu"
-                and t.dtype == torch.float32
-                and t.layout == torch.strided
-                and t.numel() > 0
-                for t in tensors
-            )
-            and sum(t.numel() for t in tensors) <= DEFER_BELOW_ELEMENTS
-        )
+        return self.here and fits_whole(tensors)
 
     def fits_plan(self, plan: DevicePlan, foreach_only: bool) -> bool:
         """Whether a logged step on this layout hands the worker its gradients to reduce."""

@@ -67,7 +67,7 @@ from gradtrack.handoff.mailbox import (
     Reply,
     UpdateFollowUp,
 )
-from gradtrack.handoff.shared import SharedCopies, attach, ring_bytes, shared_copy
+from gradtrack.handoff.shared import SharedCopies, attach, shared_copy
 from gradtrack.lifecycle import Outcome
 from gradtrack.log import logger, report
 from gradtrack.sinks import made_apart
@@ -125,10 +125,11 @@ class Spawned:
     shared: SharedCopies | None
 
     @classmethod
-    def start(cls, log_every: int) -> Spawned:
-        """A child and its ring (sized for a watch logging every ``log_every`` steps,
-        `ring_bytes`), the child importing its worker while it waits."""
-        shared = SharedCopies.create(ring_bytes(log_every))
+    def start(cls, ring: int) -> Spawned:
+        """A child and its ring of ``ring`` bytes (none where 0: see
+        `gradtrack.capture.collect.ring_size`), the child importing its worker while it
+        waits."""
+        shared = SharedCopies.create(ring) if ring else None
         return cls(*_spawn(shared), shared)
 
     def close(self) -> None:
@@ -139,7 +140,7 @@ class Spawned:
         self.process.wait()
 
 
-def spawn_early(backend: object, config: GradtrackConfig) -> Spawned | None:
+def spawn_early(backend: object, config: GradtrackConfig, ring: int) -> Spawned | None:
     """The child of a watch that will run its worker apart, started before the watch builds
     its sinks, where ``backend`` names only trackers a child can make (`runs_apart`): its
     imports (torch and gradtrack's worker, ~1.5 s here) overlap the training process's
@@ -149,11 +150,11 @@ def spawn_early(backend: object, config: GradtrackConfig) -> Spawned | None:
     training process until they are taken.) None where the worker will not run apart, or
     the child could not start (`WorkerProcess` then starts one, or reports why not). Asked
     only by a process that writes to sinks (`gradtrack.capture.distributed.writes_to_sinks`:
-    a coordinated job's rank 0)."""
+    a coordinated job's rank 0). ``ring``: the bytes of the ring of copies it shares."""
     if not _may_run_apart(config) or not made_apart(backend):
         return None
     try:
-        return Spawned.start(config.log_every)
+        return Spawned.start(ring)
     except OSError:
         return None
 
@@ -170,6 +171,7 @@ class WorkerProcess:
         act: Callable[[AlertEvent], None],
         drops: DropCount,
         spawned: Spawned | None = None,
+        ring: int = 0,
     ) -> None:
         self._sinks = list(sinks)
         self._mailbox = mailbox
@@ -191,7 +193,7 @@ class WorkerProcess:
         self._stopping = False
         self._gone = threading.Event()  # the child exited (its end of the pipe closed)
         setup = _Setup(plan, [as_sink_base(sink).recipe() or {} for sink in self._sinks])
-        spawned = spawned or Spawned.start(plan.config.log_every)
+        spawned = spawned or Spawned.start(ring)
         # Where the training thread lays a small step's copies, read by the child in place.
         self.shared = spawned.shared
         self._process, self._to_child = spawned.process, spawned.to_child
