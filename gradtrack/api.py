@@ -105,7 +105,7 @@ def open_watcher(
             spec = backend()
             # A worker process that will run apart starts now: its imports overlap the
             # building of the sinks.
-            spawned = spawn_early(spec, config, ring_size(config.log_every, model.parameters()))
+            spawned = spawn_early(spec, config, ring_size(config, model.parameters()))
             sinks = build_sinks(spec, config)
         watcher = Watcher(model, sinks, config, spawned=spawned, **options)
     except BaseException:

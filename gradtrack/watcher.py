@@ -140,9 +140,9 @@ class Watcher:
         self.worker: Worker | WorkerProcess
         if runs_apart(sinks, config):
             try:
-                ring = ring_size(config.log_every, self.collector.params)
+                spawned = spawned or Spawned.start(ring_size(config, self.collector.params))
                 self.worker = WorkerProcess(
-                    self.plan, sinks, self.mailbox, act, self.drops, spawned, ring
+                    self.plan, sinks, self.mailbox, act, self.drops, spawned
                 )
                 self.collector.whole.shared = self.worker.shared  # (read there in place)
                 return

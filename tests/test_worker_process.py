@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -471,26 +472,39 @@ def test_a_process_forked_from_the_trainer_frees_no_room_of_the_ring() -> None:
     assert shared.empty(256) is not None
 
 
-def test_the_ring_is_sized_for_how_often_steps_are_logged_and_made_only_where_used(
+def test_the_ring_is_sized_for_how_often_copies_go_out_and_made_only_where_used(
     tmp_path: Path,
 ) -> None:
-    """The ring holds as many logged steps' copies whatever ``log_every`` is, within
-    16-64 MiB: a watch logging every step gets four times the default's (10), whose child
-    would otherwise leave it full between its bursts of reading. A model whose steps are never
-    copied whole (more than `DEFER_BELOW_ELEMENTS` weights, or not fp32) gets none."""
+    """The ring holds as many steps' copies whatever ``log_every`` (or ``histograms.every``,
+    where sampled steps come more often) is, within 16-64 MiB: a watch logging every step gets
+    four times the default's, whose child would otherwise leave it full between its bursts of
+    reading. A model none of whose weights is an fp32 CPU tensor (never copied whole) gets
+    none; a large CPU model gets one, since the few layers watched, or a sparse gradient's
+    values, may be copied whole."""
     from gradtrack.capture.collect import DEFER_BELOW_ELEMENTS
     from gradtrack.handoff.shared import RING_BYTES, RING_MAX_BYTES
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    large = nn.Linear(256, DEFER_BELOW_ELEMENTS // 256 + 1)
-    models = {"every": (mlp(), 1), "default": (mlp(), 10), "large": (large, 1)}
-    models["fp64"] = (mlp().double(), 1)
+    large = nn.Sequential(nn.Linear(256, DEFER_BELOW_ELEMENTS // 256 + 1), nn.Linear(257, 2))
+    watches: dict[str, tuple[nn.Module, dict[str, Any]]] = {
+        "every": (mlp(), {"log_every": 1}),
+        "default": (mlp(), {}),
+        "sampled": (mlp(), {"log_every": 100, "histograms": {"every": 1}}),
+        "fp64": (mlp().double(), {"log_every": 1}),
+        "large, its head watched": (large, {"log_every": 1, "include": ["1"]}),
+    }
     sizes = {}
-    for name, (model, every) in models.items():
-        with gradtrack.watch(model, "mlflow", log_every=every, mlflow={"tracking_uri": uri}) as w:
+    for name, (model, options) in watches.items():
+        with gradtrack.watch(model, "mlflow", mlflow={"tracking_uri": uri}, **options) as w:
             assert isinstance(w.worker, WorkerProcess)
             sizes[name] = None if w.worker.shared is None else w.worker.shared.size
-    assert sizes == {"every": RING_MAX_BYTES, "default": RING_BYTES, "large": None, "fp64": None}
+    assert sizes == {
+        "every": RING_MAX_BYTES,
+        "default": RING_BYTES,
+        "sampled": RING_MAX_BYTES,
+        "fp64": None,
+        "large, its head watched": RING_MAX_BYTES,
+    }
 
 
 @pytest.mark.slow

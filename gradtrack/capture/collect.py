@@ -37,6 +37,7 @@ from gradtrack.capture.stats import (
     stored_values,
 )
 from gradtrack.capture.zero import PartitionGrads, full_numel
+from gradtrack.config import GradtrackConfig
 from gradtrack.formats.histogram import split_in_proportion
 from gradtrack.handoff.layout import (
     EvidenceLayout,
@@ -221,32 +222,17 @@ class Sampler:
         return sample_elements(grads, counts, self._generators[device], self._bounds[key])
 
 
-def fits_whole(tensors: Sequence[Tensor]) -> bool:
-    """Whether ``tensors`` are few enough dense fp32 CPU tensors, none empty, to be copied
-    whole (`WholeCopies`).
-
-    >>> fits_whole([torch.zeros(3, 4)]), fits_whole([torch.zeros(3, dtype=torch.float64)])
-    (True, False)
-    """
-    return (
-        bool(tensors)
-        and all(
-            t.device.type == "cpu"
-            and t.dtype == torch.float32
-            and t.layout == torch.strided
-            and t.numel() > 0
-            for t in tensors
-        )
-        and sum(t.numel() for t in tensors) <= DEFER_BELOW_ELEMENTS
-    )
-
-
-def ring_size(log_every: int, params: Iterable[Tensor]) -> int:
-    """The bytes of the ring a worker process shares for a watch of ``params`` (`ring_bytes`),
-    or 0 where no logged step would lay a copy in it: trainable weights that are not few
-    dense fp32 CPU tensors (an accelerator's, a larger model's) are never copied whole."""
-    trainable = [p for p in params if p.requires_grad]
-    return ring_bytes(log_every) if fits_whole(trainable) else 0
+def ring_size(config: GradtrackConfig, params: Iterable[Tensor]) -> int:
+    """The bytes of the ring a worker process shares for a watch of a model with ``params``
+    (`ring_bytes`, for the steps whose copies go out: logged or sampled), or 0 where none of
+    the model's weights is an fp32 CPU tensor (a model on an accelerator, or in another
+    dtype): no step of it is ever copied whole. Any fp32 CPU weight gets a ring, whatever
+    the model's size: which steps are copied is decided at each step, from the gradients
+    present (a sparse one's values, an unused branch's none) and the layers watched."""
+    if not any(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
+        return 0
+    sampled = config.histograms.every
+    return ring_bytes(config.log_every if sampled is None else min(config.log_every, sampled))
 
 
 class WholeCopies:
@@ -279,7 +265,18 @@ class WholeCopies:
 
     def fit(self, tensors: Sequence[Tensor]) -> bool:
         """Whether ``tensors`` (the weights) are handed off whole: none empty."""
-        return self.here and fits_whole(tensors)
+        return (
+            self.here
+            and bool(tensors)
+            and all(
+                t.device.type == "cpu"
+                and t.dtype == torch.float32
+                and t.layout == torch.strided
+                and t.numel() > 0
+                for t in tensors
+            )
+            and sum(t.numel() for t in tensors) <= DEFER_BELOW_ELEMENTS
+        )
 
     def fits_plan(self, plan: DevicePlan, foreach_only: bool) -> bool:
         """Whether a logged step on this layout hands the worker its gradients to reduce."""

@@ -11,8 +11,9 @@ and the worker process reduces it.
 An anonymous file (``memfd``) both processes map: one flag per copy in use at its head (set
 when a copy is laid, cleared by the worker process once it let the copy go, or here where a
 copy never crossed: a step dropped from a full queue), then the copies, laid in turn as in a
-ring. Full (the worker process lags by more than the ring holds) or absent (not Linux), a copy
-is an ordinary tensor, and the feed thread reduces it as before.
+ring. Full (the worker process lags by more than the ring holds) or absent (not Linux; or a model
+no step of which is copied whole, `gradtrack.capture.collect.ring_size`), a copy is an
+ordinary tensor, and the feed thread reduces it as before.
 """
 
 from __future__ import annotations

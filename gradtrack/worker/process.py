@@ -116,8 +116,8 @@ class _Report:
 @dataclass
 class Spawned:
     """A child started and not yet set up: the process, its two pipes and the ring of copies
-    it maps. `spawn_early` starts one before a watch builds its sinks, `WorkerProcess` sets
-    it up (or starts its own); `close` ends one that no watch took."""
+    it maps. `spawn_early` starts one before a watch builds its sinks (else the `Watcher`
+    does), `WorkerProcess` sets it up; `close` ends one that no watch took."""
 
     process: subprocess.Popen[bytes]
     to_child: Connection
@@ -148,7 +148,7 @@ def spawn_early(backend: object, config: GradtrackConfig, ring: int) -> Spawned 
     off the pipe about when ``watch()`` returns. (It does not import the tracker's client
     ahead: an import in the child holds up taking its first steps, and steps wait in the
     training process until they are taken.) None where the worker will not run apart, or
-    the child could not start (`WorkerProcess` then starts one, or reports why not). Asked
+    the child could not start (the `Watcher` then starts one, or reports why not). Asked
     only by a process that writes to sinks (`gradtrack.capture.distributed.writes_to_sinks`:
     a coordinated job's rank 0). ``ring``: the bytes of the ring of copies it shares."""
     if not _may_run_apart(config) or not made_apart(backend):
@@ -170,8 +170,7 @@ class WorkerProcess:
         mailbox: Mailbox,
         act: Callable[[AlertEvent], None],
         drops: DropCount,
-        spawned: Spawned | None = None,
-        ring: int = 0,
+        spawned: Spawned,
     ) -> None:
         self._sinks = list(sinks)
         self._mailbox = mailbox
@@ -193,7 +192,6 @@ class WorkerProcess:
         self._stopping = False
         self._gone = threading.Event()  # the child exited (its end of the pipe closed)
         setup = _Setup(plan, [as_sink_base(sink).recipe() or {} for sink in self._sinks])
-        spawned = spawned or Spawned.start(ring)
         # Where the training thread lays a small step's copies, read by the child in place.
         self.shared = spawned.shared
         self._process, self._to_child = spawned.process, spawned.to_child
