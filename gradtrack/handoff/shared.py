@@ -31,27 +31,28 @@ from torch import Tensor
 _FLAGS = 4096  # copies in use at most (the flags at the file's head)
 _ALIGN = 64
 
-# The ring's size: `RING_BYTES` for a watch that logs every 10th step or less often, more
-# where it logs more often, up to `RING_MAX_BYTES` (see `ring_bytes`).
+# The ring's size: `RING_BYTES` for a watch whose copies go out every 10th step or less
+# often, more where they go out more often, up to `RING_MAX_BYTES` (see `ring_bytes`).
 RING_BYTES = 16 << 20
 RING_MAX_BYTES = 64 << 20
 
 
-def ring_bytes(log_every: int) -> int:
-    """The ring's size for a watch that logs every ``log_every`` steps: room for as many
-    logged steps' copies as the default's 16 MiB holds at ``log_every=10``, up to 64 MiB.
+def ring_bytes(every: int) -> int:
+    """The ring's size for a watch whose steps' copies go out every ``every`` steps (logged
+    or sampled): room for as many steps' copies as the default's 16 MiB holds at
+    ``log_every=10``, up to 64 MiB.
 
     The child takes a step's copies off the ring as it arrives, in bursts (the feed thread
     gathers steps for 50 ms, and the child's threads share its GIL): a ring that fills between
     bursts lays nothing, and the training process's feed thread reduces the copies itself.
     At ``log_every=1``, over 20,000 steps of `benchmarks.fastloop`'s tight loop in a row, a
-    16 MiB ring had no room for 35-54 % of the steps' copies, 64 MiB for 2-5 % (and
-    ``fastloop --chunk 2000``'s ratio went from 2.63x to 2.40x).
+    16 MiB ring had no room for 31-64 % of the steps' copies, 64 MiB for 2-14 % (3 runs
+    each; ``fastloop --chunk 2000``: 2.63x → 2.40x and 2.49x → 2.45x in two runs).
 
     >>> [ring_bytes(n) >> 20 for n in (1, 3, 5, 10, 100)]
     [64, 53, 32, 16, 16]
     """
-    size = min(RING_MAX_BYTES, max(RING_BYTES, RING_BYTES * 10 // max(1, log_every)))
+    size = min(RING_MAX_BYTES, max(RING_BYTES, RING_BYTES * 10 // max(1, every)))
     return size // _ALIGN * _ALIGN
 
 
