@@ -77,7 +77,7 @@ class SharedCopies:
         self._pid = os.getpid()
 
     @classmethod
-    def create(cls, size: int = RING_BYTES) -> SharedCopies | None:
+    def create(cls, size: int) -> SharedCopies | None:
         """The training process's ring of ``size`` bytes, its pages touched now (a page
         first written inside a step costs it a fault: ~20 a logged step of a small model,
         tens of µs); None where this system has no anonymous shared file."""
