@@ -77,6 +77,7 @@ def test_a_tight_loop_into_mlflow_runs_its_worker_apart_and_stores_every_step(
         optimizer=optimizer,
         log_every=1,
         alerts={"nonfinite": {"action": "skip"}},  # (the NaN step leaves the weights as they were)
+        skip={"journal": tmp_path / "skipped_steps.json"},  # (not the working directory's)
         mlflow={"tracking_uri": uri},
         on_alert=lambda e: alerts.append((e.rule, e.step, threading.current_thread().name)),
     )
