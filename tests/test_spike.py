@@ -156,11 +156,52 @@ def test_a_spike_does_not_take_a_later_nan_steps_place_in_its_window() -> None:
     assert next(e.step for e in sink.events if e.rule == "nonfinite") == 125
 
 
-def _judged_run(short_pass: bool, frozen: bool) -> tuple[MemorySink, gradtrack.Watcher]:
+def many_small_layers(shapes: str) -> nn.Sequential:
+    """66 small tensors (the packed pass's): of 4 shapes ("few") or 51 ("many")."""
+    torch.manual_seed(0)
+    if shapes == "few":
+        hidden = [nn.Linear(8, 8) for _ in range(32)]
+    else:  # (8 → 8+i+1 → 8, i even: each pair's own shapes)
+        hidden = [nn.Linear(8, 9 + i) if i % 2 == 0 else nn.Linear(8 + i, 8) for i in range(32)]
+    layers: list[nn.Module] = []
+    for layer in hidden:
+        layers += [layer, nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("shapes", ["few", "many"])
+def test_many_small_layers_judge_their_quiet_steps_as_the_full_pass(shapes: str) -> None:
+    """A model of many small tensors takes the packed short pass: stacked by shape where its
+    tensors have few shapes (`ShapeGroups`), concatenated where they have many. Either way
+    the steps are judged, recorded and alerted as in full, the flight recorder's norms the
+    same to the last bit."""
+    quick, quick_watcher = _judged_run(True, False, many_small_layers(shapes))
+    full, _ = _judged_run(False, False, many_small_layers(shapes))
+    quiet = quick_watcher.judge._quiet
+    assert quiet is not None and quiet._packed is not None
+    assert (quiet._shapes is not None) == (shapes == "few")
+    assert [r.step for r in quick.records] == [r.step for r in full.records]
+    for a, b in zip(quick.records, full.records):
+        np.testing.assert_allclose(a.spike_z, b.spike_z, rtol=1e-12, equal_nan=True)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(a.spiking, b.spiking)  # type: ignore[arg-type]
+        assert (a.flight is None) == (b.flight is None)
+        if a.flight is not None and b.flight is not None:
+            np.testing.assert_array_equal(a.flight.steps, b.flight.steps)
+            np.testing.assert_array_equal(a.flight.norms, b.flight.norms)
+    assert [(e.step, e.rule, e.layer) for e in quick.events] == [
+        (e.step, e.rule, e.layer) for e in full.events
+    ]
+    assert any(e.rule == "spike" and e.step == 123 for e in quick.events)
+    assert any(e.rule == "nonfinite" and e.step == 77 for e in quick.events)
+
+
+def _judged_run(
+    short_pass: bool, frozen: bool, model: nn.Sequential | None = None
+) -> tuple[MemorySink, gradtrack.Watcher]:
     """140 steps with a 300x spike at step 123 and a NaN at step 77 (both between logged
     steps), with the short pass for healthy steps on or off; ``frozen``: a layer frozen
     after watching (its gradients absent)."""
-    model = regression_model()
+    model = regression_model() if model is None else model
     sink = MemorySink()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     watcher = gradtrack.watch(model, backend=sink, optimizer=optimizer)  # default rules

@@ -35,7 +35,12 @@ from gradtrack.capture.collect import Collector, DeviceGrads, DevicePlan, Guard
 from gradtrack.capture.flight_ring import FlightRecorder
 from gradtrack.capture.skip import Journal, Skip, SkipPolicy
 from gradtrack.capture.spike import LayerNorms, NormWindow, on_host
-from gradtrack.capture.stats import DeviceIndex, accumulation_dtype, packed_squares
+from gradtrack.capture.stats import (
+    DeviceIndex,
+    ShapeGroups,
+    accumulation_dtype,
+    packed_squares,
+)
 from gradtrack.capture.updates import (
     SampledUpdateProbe,
     UpdateProbe,
@@ -145,6 +150,7 @@ class QuietSteps:
         self._flight = flight
         self._plan: list[DevicePlan] | None = None  # the layout whose columns are below
         self._packed: np.ndarray | None = None
+        self._shapes: ShapeGroups | None = None  # (packed, of few shapes: stacked per shape)
         self._accumulate: torch.dtype | None = None
         self._present: list[int] | None = None  # the tensors with a gradient, where not all
         self._layer_columns = np.zeros(0, dtype=np.int64)
@@ -158,7 +164,9 @@ class QuietSteps:
             return False
         if self._small is not None:
             return self._judge_values(step, grads, self._small) is not None
-        if self._packed is not None:
+        if self._shapes is not None:
+            squares = self._shapes.squares(grads)
+        elif self._packed is not None:
             squares = packed_squares(grads, self._packed)
         else:
             plain = torch._foreach_norm(grads, 2, dtype=self._accumulate)
@@ -264,6 +272,8 @@ class QuietSteps:
         if not group.simple:
             return False  # (a sparse, complex or empty gradient: `plan` judges)
         self._plan, self._packed = plan, group.offsets
+        present = [grads[i] for i in group.indices]
+        self._shapes = None if group.offsets is None else ShapeGroups.of(present)
         self._handed_whole = self._whole.fits_plan(plan[0], foreach_only=False)
         every = len(group.indices) == len(self._params)
         self._present = None if every else list(group.indices)
