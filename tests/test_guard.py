@@ -201,8 +201,15 @@ def test_a_logged_step_of_many_small_tensors_concatenates_its_gradients_once(
             concatenated.append(len(tensors))
         return flatten(tensors)
 
+    stacking = stats.ShapeGroups.flatten  # (its tensors of two shapes: stacked per shape)
+
+    def counting_stacks(self: stats.ShapeGroups, tensors: list[torch.Tensor]) -> torch.Tensor:
+        concatenated.append(len(tensors))
+        return stacking(self, tensors)
+
     monkeypatch.setattr(collect, "flatten", counting)
     monkeypatch.setattr(stats, "flatten", counting)
+    monkeypatch.setattr(stats.ShapeGroups, "flatten", counting_stacks)
     sink, expected = MemorySink(), []
     with gradtrack.watch(model, backend=sink, log_every=1) as watcher:
         if ring:

@@ -416,3 +416,27 @@ def test_every_finite_sample_lands_in_a_bin_whatever_its_range(scale: str) -> No
         counted = int(histogram.counts.sum()) + (histogram.zeros if scale == "log" else 0)
         assert counted == values.size
         assert np.all(np.diff(histogram.edges) > 0)
+
+
+def test_tensors_of_few_shapes_gather_by_shape_to_the_same_values_and_norms() -> None:
+    """`ShapeGroups` stacks many small tensors per shape: its concatenation is `flatten`'s
+    and its squared norms `packed_squares`', to the last bit, whatever order the shapes come
+    in (a transposed, non-contiguous tensor among them); with too many shapes it declines."""
+    from gradtrack.capture.stats import ShapeGroups, flatten, packed_squares, start_offsets
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(8, 8), (8,), (3, 5), (1,)] * 16 + [(8, 8)] * 4
+    tensors = [
+        torch.randn(*shape, generator=generator) * 10.0 ** (i % 7 - 3)
+        for i, shape in enumerate(shapes)
+    ]
+    tensors[5] = torch.randn(8, 8, generator=generator).t()  # (a (8, 8) one, not contiguous)
+    groups = ShapeGroups.of(tensors)
+    assert groups is not None
+    flat = groups.flatten(tensors)
+    assert torch.equal(flat, flatten(tensors))
+    assert all(flat.data_ptr() != t.data_ptr() for t in tensors)  # (a copy of its own)
+    offsets = start_offsets([t.numel() for t in tensors])
+    assert groups.squares(tensors).tolist() == packed_squares(tensors, offsets).tolist()
+    many = [torch.randn(1, n, generator=generator) for n in range(1, 40)]
+    assert ShapeGroups.of(many) is None

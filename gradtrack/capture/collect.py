@@ -21,6 +21,7 @@ from gradtrack.capture.distributed import RankGroup, is_dtensor, local_tensor
 from gradtrack.capture.layers import Layer
 from gradtrack.capture.mesh import MeshReduction, ShardStep, check_placements
 from gradtrack.capture.stats import (
+    ShapeGroups,
     abs_norms,
     copy_to_host,
     fill_nonfinite_counts,
@@ -90,6 +91,8 @@ class GroupPlan(NamedTuple):
     offsets: np.ndarray | None = None
     dtype: torch.dtype = torch.float32  # (of the tensors whose statistics are taken)
     elements: int = 0  # in all, in those tensors
+    # ... and where those are of few shapes: gathered by one stack per shape instead.
+    shapes: ShapeGroups | None = None
 
 
 class DevicePlan(NamedTuple):
@@ -163,8 +166,11 @@ class Layouts:
         by_device: dict[torch.device, list[GroupPlan]] = defaultdict(list)
         for (device, dtype), (indices, simples, numels) in groups.items():
             simple = all(simples)  # (packed: gradients used as they are)
-            offsets = pack_offsets([grads[i] for i in indices]) if simple else None
-            by_device[device].append(GroupPlan(indices, simple, offsets, dtype, sum(numels)))
+            tensors = [grads[i] for i in indices]
+            offsets = pack_offsets(tensors) if simple else None
+            shapes = None if offsets is None else ShapeGroups.of(tensors)
+            group = GroupPlan(indices, simple, offsets, dtype, sum(numels), shapes)
+            by_device[device].append(group)
         return [DevicePlan.of(device, device_groups) for device, device_groups in by_device.items()]
 
 
@@ -423,7 +429,8 @@ class Collector:
         deferred = exact and self.whole.fits_plan(plan, foreach_only)
         flat = None
         if deferred and plan.groups[0].offsets is not None:  # (one fp32 group, packed)
-            flat = flatten(groups[0])  # (concatenated once: for the norms and the copy)
+            shapes = plan.groups[0].shapes  # (concatenated once: for the norms and the copy)
+            flat = flatten(groups[0]) if shapes is None else shapes.flatten(groups[0])
             norms = [packed_l2_norms(flat, plan.groups[0].offsets)]
         else:
             norms = [

@@ -272,8 +272,7 @@ class QuietSteps:
         if not group.simple:
             return False  # (a sparse, complex or empty gradient: `plan` judges)
         self._plan, self._packed = plan, group.offsets
-        present = [grads[i] for i in group.indices]
-        self._shapes = None if group.offsets is None else ShapeGroups.of(present)
+        self._shapes = group.shapes
         self._handed_whole = self._whole.fits_plan(plan[0], foreach_only=False)
         every = len(group.indices) == len(self._params)
         self._present = None if every else list(group.indices)
