@@ -398,3 +398,47 @@ def test_many_small_layers_get_their_updates_from_one_packed_pass(signals: Any) 
     for record in sink.records:
         want = np.array([expected[record.step][name] for name in record.layers])
         np.testing.assert_allclose(record.update_ratios(), want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["own-copy", "shared-ring"])
+@pytest.mark.parametrize("probe", ["whole"], indirect=True)
+def test_whole_copies_of_many_small_weights_of_few_shapes_stack_them_by_shape(
+    probe: str, ring: bool
+) -> None:
+    """80 small weights of two shapes are copied by one stack per shape (`ShapeGroups`), not
+    one view each, into a tensor of their own or the ring a worker process reads: the copies
+    read each weight where it lies now (a storage replaced at step 3, a non-contiguous one at
+    step 6), and every step's ratio is the update AdamW applied."""
+    from gradtrack.handoff.shared import SharedCopies
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sink = MemorySink()
+    expected: dict[int, dict[str, float]] = {}
+    with gradtrack.watch(
+        model, backend=sink, optimizer=optimizer, log_every=1, update_signals=True
+    ) as watcher:
+        updates = watcher.judge.signals.updates
+        assert isinstance(updates, WholeUpdateProbe) and updates._shapes is not None
+        if ring:
+            watcher.collector.whole.shared = SharedCopies.create(1 << 20)
+        for step in range(8):
+            if step == 3:
+                model[7].weight.data = model[7].weight.data.clone() * 0.5
+            elif step == 6:
+                model[9].weight.data = model[9].weight.data.t().contiguous().t()
+                assert not model[9].weight.is_contiguous()
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            before = layer_norms(model)
+            optimizer.step()
+            after = layer_norms(model)
+            expected[step] = {
+                name: norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
+                for name in before
+            }
+    assert [r.step for r in sink.records] == list(range(8))
+    for record in sink.records:
+        want = np.array([expected[record.step][name] for name in record.layers])
+        np.testing.assert_allclose(record.update_ratios(), want, rtol=1e-5)  # type: ignore[arg-type]

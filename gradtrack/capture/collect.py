@@ -76,8 +76,10 @@ class DeviceGrads:
     l2: Tensor  # float64 [rows], on the device
     deferred: bool = False
     # Where deferred and packed: the gradients end to end, as the guard concatenated them
-    # for their norms (a new tensor), which the step's copy is made from.
+    # for their norms (a new tensor), which the step's copy is made from; each one's first
+    # element in it.
     flat: Tensor | None = None
+    offsets: np.ndarray | None = None
 
 
 class GroupPlan(NamedTuple):
@@ -263,6 +265,11 @@ class WholeCopies:
             return flat_copy(tensors)
         return into.copy_(flatten(tensors) if len(tensors) > 1 else tensors[0].reshape(-1))
 
+    def copy_by_shape(self, shapes: ShapeGroups, tensors: Sequence[Tensor], numel: int) -> Tensor:
+        """`copy`, of many small tensors of few shapes: stacked by shape into the copy."""
+        into = None if self.shared is None else self.shared.empty(numel)
+        return shapes.flatten(tensors, out=into)
+
     def copy_flat(self, flat: list[Tensor], numel: int) -> Tensor:
         """`copy`, of tensors given as their flat views (``numel`` elements in all): one
         ``cat`` straight into the copy."""
@@ -309,22 +316,17 @@ class WholeCopies:
             evidence.kept_outputs = None  # type: ignore[union-attr]
         else:
             kept = None
-        numels = tuple(g.numel() for g in grads)
         sizes = None if kept is None else kept.sizes()  # (its outputs' and their gradients')
         # (a copy: the user may change the gradients after the step; the guard's concatenation
         # is one already, made in this step)
         copied = grads if part.flat is None else [part.flat]
         together = copied if kept is None else [*copied, *kept.outputs, *kept.grads]
-        numel = sum(numels) + (0 if sizes is None else sizes[0] + sizes[1])
+        offsets, elements = self._offsets_of(part, grads)
+        numel = elements + (0 if sizes is None else sizes[0] + sizes[1])
         if part.flat is not None and kept is None and self.shared is None:
             values = part.flat  # (its own tensor: nothing to copy)
         else:
             values = self.copy(together, numel)
-        offsets = self._offsets.get(numels)
-        if offsets is None:  # (a new layout: kept, as the plans are)
-            if len(self._offsets) > 64:
-                self._offsets.clear()
-            offsets = self._offsets[numels] = start_offsets(numels)
         samples = sampler.draw(part) if sampler is not None else []
         counts = sampler.counts_of(part.index, grads) if sampler is not None else None
         return cpu_part(
@@ -334,6 +336,19 @@ class WholeCopies:
             evidence,
             flat=FlatGrads(values, offsets, full, sizes),
         )
+
+    def _offsets_of(self, part: DeviceGrads, grads: list[Tensor]) -> tuple[np.ndarray, int]:
+        """Each gradient's first element in the step's copy, and their elements in all: the
+        layout's where the guard concatenated them, else kept per layout as the plans are."""
+        if part.flat is not None and part.offsets is not None:
+            return part.offsets, part.flat.numel()
+        numels = tuple(g.numel() for g in grads)
+        offsets = self._offsets.get(numels)
+        if offsets is None:
+            if len(self._offsets) > 64:
+                self._offsets.clear()
+            offsets = self._offsets[numels] = start_offsets(numels)
+        return offsets, sum(numels)
 
 
 class Collector:
@@ -450,6 +465,7 @@ class Collector:
             torch.cat(norms) if len(norms) > 1 else norms[0],
             deferred,
             flat,
+            None if flat is None else plan.groups[0].offsets,
         )
 
     def collect(

@@ -287,12 +287,13 @@ class ShapeGroups:
             squares[positions] = np.add.reduceat(values, starts)
         return squares
 
-    def flatten(self, grads: Sequence[Tensor]) -> Tensor:
-        """`flatten` of ``grads``: a new tensor, their values end to end."""
+    def flatten(self, grads: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+        """`flatten` of ``grads``: their values end to end, in a new tensor or ``out``."""
         stacks = [stack.reshape(-1) for _, _, stack in self._stacks(grads)]
-        return torch.index_select(
-            torch.cat(stacks) if len(stacks) > 1 else stacks[0], 0, self._order
-        )
+        stacked = torch.cat(stacks) if len(stacks) > 1 else stacks[0]
+        if out is None:
+            return torch.index_select(stacked, 0, self._order)
+        return torch.index_select(stacked, 0, self._order, out=out)
 
 
 def stat_rows(l2: Tensor, l1: Tensor | None = None, linf: Tensor | None = None) -> Tensor:

@@ -39,7 +39,9 @@ import torch
 from torch import Tensor, nn
 
 from gradtrack.capture.stats import (
+    PACK_MIN_TENSORS,
     DeviceIndex,
+    ShapeGroups,
     accumulation_dtype,
     copy_to_host,
     pack_offsets,
@@ -277,6 +279,10 @@ class WholeUpdateProbe:
         # copying the result). None while a weight is not contiguous (no view of it flat).
         self._flat: list[Tensor] | None = None
         self._viewed: list[int] = []
+        # Many small weights of few shapes: stacked by shape into the copy instead (one call
+        # per shape, where a ``cat`` of views reads every weight: 600 of them ~3x faster).
+        many = len(self._params) >= PACK_MIN_TENSORS and self._numel > 0
+        self._shapes = ShapeGroups.of(self._params) if many else None
 
     def before(self) -> None:
         self._before = self._copy()
@@ -286,6 +292,9 @@ class WholeUpdateProbe:
         return FlatUpdate(self._before, self._copy(), self._offsets)
 
     def _copy(self) -> Tensor:
+        if self._shapes is not None:
+            with torch.no_grad():
+                return self._copies.copy_by_shape(self._shapes, self._params, self._numel)
         storages = [p.data_ptr() for p in self._params]
         if storages != self._viewed:
             self._viewed = storages
