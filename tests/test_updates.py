@@ -51,6 +51,36 @@ def norm(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float((t * t).sum()) for t in tensors))
 
 
+def step_ratios(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor
+) -> dict[str, float]:
+    """One step on ``batch``; each layer's real update ratio ‖W after − W before‖ / ‖W
+    before‖, by name, measured here from copies."""
+    optimizer.zero_grad()
+    model(batch).pow(2).mean().backward()
+    before = layer_norms(model)
+    optimizer.step()
+    after = layer_norms(model)
+    return {
+        name: norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
+        for name in before
+    }
+
+
+def forty_small_layers() -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    """80 tensors of 4-16 elements (two shapes) and AdamW with weight decay."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def assert_ratios(sink: MemorySink, expected: dict[int, dict[str, float]], rtol: float) -> None:
+    """Each record's update ratios are the ones measured at its step (`step_ratios`)."""
+    for record in sink.records:
+        want = np.array([expected[record.step][name] for name in record.layers])
+        np.testing.assert_allclose(record.update_ratios(), want, rtol=rtol)  # type: ignore[arg-type]
+
+
 def train_on_small_batches(
     model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, layers: tuple[str, ...]
 ) -> dict[int, list[float]]:
@@ -374,9 +404,7 @@ def test_many_small_layers_get_their_updates_from_one_packed_pass(signals: Any) 
     """80 tensors of 4-16 elements (the CPU's per-tensor kernels cost more than their
     elements): the weights' and the updates' norms are summed packed, in fp64, and each
     layer's ratio is the update AdamW applied."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model, optimizer = forty_small_layers()
     sink = MemorySink()
     expected: dict[int, dict[str, float]] = {}
     with gradtrack.watch(
@@ -385,19 +413,9 @@ def test_many_small_layers_get_their_updates_from_one_packed_pass(signals: Any) 
         probe = watcher.judge.signals.updates
         assert probe is not None and probe._packing[0] is not None  # (the packed pass)
         for step in range(21):
-            optimizer.zero_grad()
-            model(torch.randn(8, 4)).pow(2).mean().backward()
-            before = layer_norms(model)
-            optimizer.step()
-            after = layer_norms(model)
-            expected[step] = {
-                name: norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
-                for name in before
-            }
+            expected[step] = step_ratios(model, optimizer, torch.randn(8, 4))
     assert [r.step for r in sink.records] == [0, 10, 20]
-    for record in sink.records:
-        want = np.array([expected[record.step][name] for name in record.layers])
-        np.testing.assert_allclose(record.update_ratios(), want, rtol=1e-4)
+    assert_ratios(sink, expected, rtol=1e-4)
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["own-copy", "shared-ring"])
@@ -411,9 +429,7 @@ def test_whole_copies_of_many_small_weights_of_few_shapes_stack_them_by_shape(
     step 6), and every step's ratio is the update AdamW applied."""
     from gradtrack.handoff.shared import SharedCopies
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model, optimizer = forty_small_layers()
     sink = MemorySink()
     expected: dict[int, dict[str, float]] = {}
     with gradtrack.watch(
@@ -429,16 +445,6 @@ def test_whole_copies_of_many_small_weights_of_few_shapes_stack_them_by_shape(
             elif step == 6:
                 model[9].weight.data = model[9].weight.data.t().contiguous().t()
                 assert not model[9].weight.is_contiguous()
-            optimizer.zero_grad()
-            model(torch.randn(8, 4)).pow(2).mean().backward()
-            before = layer_norms(model)
-            optimizer.step()
-            after = layer_norms(model)
-            expected[step] = {
-                name: norm([a - b for a, b in zip(after[name], before[name])]) / norm(before[name])
-                for name in before
-            }
+            expected[step] = step_ratios(model, optimizer, torch.randn(8, 4))
     assert [r.step for r in sink.records] == list(range(8))
-    for record in sink.records:
-        want = np.array([expected[record.step][name] for name in record.layers])
-        np.testing.assert_allclose(record.update_ratios(), want, rtol=1e-5)  # type: ignore[arg-type]
+    assert_ratios(sink, expected, rtol=1e-5)
