@@ -254,9 +254,10 @@ class ShapeGroups:
             first[positions], numels[positions] = laid + starts, numel
             laid += numel * len(positions)
         self._count = count
-        # Each element's place in the stacks laid end to end, in `flatten`'s order (a tensor
-        # made when first asked: a plan learnt for the norms alone makes no op).
-        self._first, self._numels = first, numels
+        # Each element's place in the stacks laid end to end, in `flatten`'s order; as a
+        # tensor when first asked (a plan learnt for the norms alone makes no op).
+        pairs = zip(first.tolist(), numels.tolist())
+        self._order_array = np.concatenate([np.arange(f, f + n) for f, n in pairs])
         self._order: Tensor | None = None
 
     @classmethod
@@ -290,12 +291,9 @@ class ShapeGroups:
     def flatten(self, grads: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
         """`flatten` of ``grads``: their values end to end, in a new tensor or ``out``."""
         if self._order is None:
-            pairs = zip(self._first.tolist(), self._numels.tolist())
-            self._order = torch.from_numpy(np.concatenate([np.arange(f, f + n) for f, n in pairs]))
+            self._order = torch.from_numpy(self._order_array)
         stacks = [stack.reshape(-1) for _, _, stack in self._stacks(grads)]
         stacked = torch.cat(stacks) if len(stacks) > 1 else stacks[0]
-        if out is None:
-            return torch.index_select(stacked, 0, self._order)
         return torch.index_select(stacked, 0, self._order, out=out)
 
 

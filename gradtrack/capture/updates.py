@@ -281,7 +281,7 @@ class WholeUpdateProbe:
         self._viewed: list[int] = []
         # Many small weights of few shapes: stacked by shape into the copy instead (one call
         # per shape, where a ``cat`` of views reads every weight: 600 of them ~3x faster).
-        many = len(self._params) >= PACK_MIN_TENSORS and self._numel > 0
+        many = len(self._params) >= PACK_MIN_TENSORS  # (none empty: `WholeCopies.fit`)
         self._shapes = ShapeGroups.of(self._params) if many else None
 
     def before(self) -> None:
