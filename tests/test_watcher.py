@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import threading
 import time
 import warnings
@@ -39,6 +42,7 @@ def hook_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[objec
         state.append(dict(p._backward_hooks or {}))
     for m in model.modules():
         state += [dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks)]
+        state.append(m.__dict__.get("forward"))  # (gradtrack wraps the root's forward)
     return state
 
 
@@ -127,6 +131,61 @@ def test_close_removes_every_hook_and_is_idempotent(cnn: nn.Module, with_optimiz
     assert sink.closed and len(sink.records) == 2
     train(cnn, 2, optimizer)  # nothing more is recorded, nothing raises
     assert len(sink.records) == 2
+
+
+def test_a_watched_forward_keeps_its_signature_and_a_deep_copy_runs_its_own(cnn: nn.Module) -> None:
+    """Hugging Face's Trainer picks a dataset's columns from ``inspect.signature(model.forward)``;
+    an EMA of the model is its ``copy.deepcopy``, taken before training or during it."""
+    signature = inspect.signature(cnn.forward)
+    optimizer = torch.optim.SGD(cnn.parameters(), lr=0.05)
+    sink = MemorySink()
+    with gradtrack.watch(cnn, backend=sink, optimizer=optimizer, log_every=1):
+        assert inspect.signature(cnn.forward) == signature
+        copies = [copy.deepcopy(cnn)]
+        train(cnn, 2, optimizer)
+        copies.append(copy.deepcopy(cnn))
+        images, _ = cnn_batch(seed=9)
+        for ema in copies:
+            plain = SmallCNN()
+            plain.load_state_dict(ema.state_dict())
+            assert torch.equal(ema(images), plain(images))  # its own weights, not the model's
+        train(cnn, 2, optimizer)
+    assert [r.step for r in sink.records] == [0, 1, 2, 3]
+    assert all(r.output_grad_norm is not None for r in sink.records)
+
+
+def _wrap_forward(module: nn.Module, calls: list[str], name: str) -> object:
+    """Another library's wrapper of ``module``'s forward (as Accelerate's hooks wrap it)."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: object, **kwargs: object) -> object:
+        calls.append(name)
+        return inner(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    return forward
+
+
+def test_a_forward_another_library_wrapped_before_or_after_the_watch_stays_wrapped() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    calls: list[str] = []
+    theirs = _wrap_forward(model, calls, "before")
+    first, sink = MemorySink(), MemorySink()
+    with gradtrack.watch(model, backend=first, log_every=1):
+        model(torch.randn(2, 4)).sum().backward()
+    assert model.forward is theirs and calls == ["before"]  # put back as it was
+    assert first.records[0].output_grad_norm is not None
+    watcher = gradtrack.watch(model, backend=sink, log_every=1)
+    later = _wrap_forward(model, calls, "after")
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+    watcher.close()
+    assert model.forward is later  # left in place: gradtrack's, inside it, calls through
+    model(torch.randn(2, 4)).sum().backward()
+    assert calls == ["before", "after", "before", "after", "before", "after", "before"]
+    assert [r.step for r in sink.records] == [0, 1]
+    assert all(r.output_grad_norm is not None for r in sink.records)
 
 
 def test_watching_twice_is_an_error_until_unwatched(cnn: nn.Module) -> None:

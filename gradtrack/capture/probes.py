@@ -22,6 +22,7 @@ and activation probes here, `gradtrack.capture.origin`'s `OriginProbe`,
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import warnings
@@ -113,15 +114,15 @@ class Probes:
         self._taps: dict[int, ForwardTaps] = {}
 
     def taps(self, module: nn.Module) -> ForwardTaps:
-        """The one pair of forward hooks the probes share on ``module``."""
+        """The one wrapper of ``module``'s forward the probes share."""
         taps = self._taps.get(id(module))
         if taps is None:
-            taps = self._taps[id(module)] = ForwardTaps(module, self.handles)
+            taps = self._taps[id(module)] = ForwardTaps(module)
         return taps
 
     def locate(self) -> Origin | None:
         """Which module made this step's NaN/Inf (`OriginProbe.locate`; None: no origin probe),
-        the probes' forward hooks paused: the replay's forwards are not the step's (its
+        the probes' forward wrappers paused: the replay's forwards are not the step's (its
         examples, its output and the gradient reaching it are counted once, and the output
         gradient the user retained stays)."""
         if self.origin is None:
@@ -277,6 +278,8 @@ class Probes:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for taps in self._taps.values():
+            taps.remove()
         self._taps.clear()
         if self.micro is not None:
             self.micro.remove()
@@ -297,10 +300,13 @@ class Probes:
 
 
 class ForwardTaps:
-    """One forward pre-hook and one forward hook on a module, each calling the probes' own
-    (``before(args, kwargs)``, ``after(output)``) in the order they were added: a hook torch
-    calls costs a training step a few µs, several probes on the root module one call each.
-    Its handles go to the owner's list, removed with the rest.
+    """The probes' one look at a module's forward passes: the module's ``forward`` wrapped
+    (an attribute of the instance, the module's own ``forward`` still its class's), calling
+    the probes' own (``before(args, kwargs)``, ``after(output)``) in the order they were
+    added. A forward hook would send every call of the module down torch's hook path, ~4 µs
+    a step more than this wrapper's ~0.5 (benchmarks/README.md, twentieth session on #39);
+    ``inspect.signature(module.forward)`` still reads the module's own (``__wrapped__``),
+    which Hugging Face's Trainer reads to pick the dataset's columns.
 
     A probe that acts on due steps alone is added with ``due_only``: it is called in a due
     step and in the step after it (where it lets go of what the due step kept), not in the
@@ -310,15 +316,47 @@ class ForwardTaps:
     Before = Callable[[tuple[Any, ...], dict[str, Any]], None]
     After = Callable[[Any], None]
 
-    def __init__(self, module: nn.Module, handles: list[RemovableHandle]) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self._added: list[tuple[ForwardTaps.Before | None, ForwardTaps.After | None, bool]] = []
         self._before_calls: list[ForwardTaps.Before] = []  # those of this step, in order
         self._after_calls: list[ForwardTaps.After] = []
         self._due = True  # (the step that runs now)
         self._all = True  # every probe is called this step
         self.paused = False  # (a replay's forward is not a step's)
-        handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
-        handles.append(module.register_forward_hook(self._after))
+        self._module = module
+        # Another wrapper on the instance (a library's, or an earlier one): put back at `remove`.
+        self._outer = module.__dict__.get("forward")
+        self.__wrapped__ = module.forward
+        module.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.paused:
+            return self.__wrapped__(*args, **kwargs)
+        for before in self._before_calls:
+            before(args, kwargs)
+        output = self.__wrapped__(*args, **kwargs)
+        for after in self._after_calls:
+            after(output)
+        return output
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of the watched module (an EMA's, say) runs its own forward, unwatched."""
+        copied = memo.get(id(self._module))
+        if copied is None:
+            return copy.deepcopy(self.__wrapped__, memo)
+        return copy.deepcopy(self._outer, memo) if self._outer is not None else copied.forward
+
+    def remove(self) -> None:
+        """The module's ``forward`` as it was; where something wrapped it again since, this
+        wrapper stays in its chain, calling straight through."""
+        self.paused = True
+        self._added, self._before_calls, self._after_calls = [], [], []
+        module = self._module
+        if module.__dict__.get("forward") is self:
+            if self._outer is None:
+                del module.forward
+            else:
+                module.forward = self._outer
 
     def add(self, before: Before | None, after: After | None, due_only: bool = False) -> None:
         self._added.append((before, after, due_only))
@@ -336,18 +374,6 @@ class ForwardTaps:
         called = [(b, a) for b, a, due_only in self._added if self._all or not due_only]
         self._before_calls = [b for b, _ in called if b is not None]
         self._after_calls = [a for _, a in called if a is not None]
-
-    def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.paused:
-            return
-        for before in self._before_calls:
-            before(args, kwargs)
-
-    def _after(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        if self.paused:
-            return
-        for after in self._after_calls:
-            after(output)
 
 
 def _and(previous: Tensor | None, current: Tensor) -> Tensor:
