@@ -116,8 +116,6 @@ class OriginProbe:
         self._checking = False  # this forward's RNG state is compared after it
 
     def before_forward(self, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
         if self._retained:  # (the last step's output, or a second forward in this step's)
             self._release()
         self._inputs = (args, kwargs)
@@ -131,8 +129,6 @@ class OriginProbe:
             self._rng = None  # (the forwards checked drew nothing: a replay draws the same)
 
     def after_forward(self, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
         if self._checking and self._rng is not None:
             self._checking = False
             self.draws = not torch.equal(torch.get_rng_state(), self._rng)

@@ -291,12 +291,13 @@ class Probes:
                 wrapper.remove()
 
 
-# Compiled regions: a forward hook on a module that is compiled after gradtrack watched it
-# is traced into the graph. Reading the step counter there would make dynamo guard on it
-# (a recompile per step) and registering tensor hooks is a graph break, so in a compiled
-# region the probes do nothing: the gradient statistics, taken from ``.grad`` outside the
-# graph, are unaffected; only the forward/loss evidence and activation gradients are lost.
-# A model compiled *before* watching keeps its output probe (it sits on the eager wrapper).
+# Compiled regions: the forward wrapper (`ForwardTaps`) or a forward hook on a module that
+# is compiled after gradtrack watched it is traced into the graph. Reading the step counter
+# there would make dynamo guard on it (a recompile per step) and registering tensor hooks is
+# a graph break, so in a compiled region the probes do nothing: the gradient statistics,
+# taken from ``.grad`` outside the graph, are unaffected; only the forward/loss evidence and
+# activation gradients are lost. A model compiled *before* watching keeps its output probe
+# (it sits on the eager wrapper).
 
 
 class ForwardTaps:
@@ -330,7 +331,7 @@ class ForwardTaps:
         module.forward = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.paused:
+        if self.paused or torch.compiler.is_compiling():  # (see "Compiled regions" above)
             return self.__wrapped__(*args, **kwargs)
         for before in self._before_calls:
             before(args, kwargs)
@@ -422,8 +423,8 @@ class OutputProbe:
             self._retained = []
 
     def _after_forward(self, output: Any) -> None:
-        if torch.compiler.is_compiling() or not self._is_due():
-            return  # inside a compiled graph: see "Compiled regions" above
+        if not self._is_due():
+            return
         for leaf in float_tensors(output):
             if self._keeps(leaf):
                 self._kept.append(leaf.detach())
