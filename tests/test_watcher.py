@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import io
 import threading
 import time
 import warnings
@@ -133,9 +134,12 @@ def test_close_removes_every_hook_and_is_idempotent(cnn: nn.Module, with_optimiz
     assert len(sink.records) == 2
 
 
-def test_a_watched_forward_keeps_its_signature_and_a_deep_copy_runs_its_own(cnn: nn.Module) -> None:
+def test_a_watched_forward_keeps_its_signature_and_a_copy_or_a_saved_model_runs_its_own(
+    cnn: nn.Module,
+) -> None:
     """Hugging Face's Trainer picks a dataset's columns from ``inspect.signature(model.forward)``;
-    an EMA of the model is its ``copy.deepcopy``, taken before training or during it."""
+    an EMA of the model is its ``copy.deepcopy``, taken before training or during it; a
+    checkpoint may be the whole model, ``torch.save(model)``."""
     signature = inspect.signature(cnn.forward)
     optimizer = torch.optim.SGD(cnn.parameters(), lr=0.05)
     sink = MemorySink()
@@ -144,6 +148,10 @@ def test_a_watched_forward_keeps_its_signature_and_a_deep_copy_runs_its_own(cnn:
         copies = [copy.deepcopy(cnn)]
         train(cnn, 2, optimizer)
         copies.append(copy.deepcopy(cnn))
+        saved = io.BytesIO()
+        torch.save(cnn, saved)
+        saved.seek(0)
+        copies.append(torch.load(saved, weights_only=False))
         images, _ = cnn_batch(seed=9)
         for ema in copies:
             plain = SmallCNN()

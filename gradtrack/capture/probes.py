@@ -22,13 +22,12 @@ and activation probes here, `gradtrack.capture.origin`'s `OriginProbe`,
 
 from __future__ import annotations
 
-import copy
 import functools
 import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, SupportsIndex
 
 import torch
 from torch import Tensor, nn
@@ -340,12 +339,13 @@ class ForwardTaps:
             after(output)
         return output
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """A copy of the watched module (an EMA's, say) runs its own forward, unwatched."""
-        copied = memo.get(id(self._module))
-        if copied is None:
-            return copy.deepcopy(self.__wrapped__, memo)
-        return copy.deepcopy(self._outer, memo) if self._outer is not None else copied.forward
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """Copied or saved with its module (an EMA's ``copy.deepcopy``, ``torch.save(model)``),
+        it is the forward it wraps: the copy runs its own, unwatched. (The copy's ``forward``
+        is read before its attributes are set: its class's, bound to it.)"""
+        if self._outer is not None:
+            return _same, (self._outer,)
+        return getattr, (self._module, "forward")
 
     def remove(self) -> None:
         """The module's ``forward`` as it was; where something wrapped it again since, this
@@ -375,6 +375,10 @@ class ForwardTaps:
         called = [(b, a) for b, a, due_only in self._added if self._all or not due_only]
         self._before_calls = [b for b, _ in called if b is not None]
         self._after_calls = [a for _, a in called if a is not None]
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _and(previous: Tensor | None, current: Tensor) -> Tensor:
