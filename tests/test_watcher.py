@@ -134,8 +134,13 @@ def test_close_removes_every_hook_and_is_idempotent(cnn: nn.Module, with_optimiz
     assert len(sink.records) == 2
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"activations": True}, {"alerts": {"nonfinite": {"action": "skip"}}}],
+    ids=["defaults", "activations", "skip"],
+)
 def test_a_watched_forward_keeps_its_signature_and_a_copy_or_a_saved_model_runs_its_own(
-    cnn: nn.Module,
+    cnn: nn.Module, options: dict[str, object]
 ) -> None:
     """Hugging Face's Trainer picks a dataset's columns from ``inspect.signature(model.forward)``;
     an EMA of the model is its ``copy.deepcopy``, taken before training or during it; a
@@ -143,7 +148,7 @@ def test_a_watched_forward_keeps_its_signature_and_a_copy_or_a_saved_model_runs_
     signature = inspect.signature(cnn.forward)
     optimizer = torch.optim.SGD(cnn.parameters(), lr=0.05)
     sink = MemorySink()
-    with gradtrack.watch(cnn, backend=sink, optimizer=optimizer, log_every=1):
+    with gradtrack.watch(cnn, backend=sink, optimizer=optimizer, log_every=1, **options):
         assert inspect.signature(cnn.forward) == signature
         copies = [copy.deepcopy(cnn)]
         train(cnn, 2, optimizer)
