@@ -43,7 +43,8 @@ def hook_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[objec
         state.append(dict(p._backward_hooks or {}))
     for m in model.modules():
         state += [dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks)]
-        state.append(m.__dict__.get("forward"))  # (gradtrack wraps the root's forward)
+        # (gradtrack wraps the root's forward, and how nn.DataParallel replicates it)
+        state += [m.__dict__.get(name) for name in ("forward", "_replicate_for_data_parallel")]
     return state
 
 
@@ -165,6 +166,20 @@ def test_a_watched_forward_keeps_its_signature_and_a_copy_or_a_saved_model_runs_
         train(cnn, 2, optimizer)
     assert [r.step for r in sink.records] == [0, 1, 2, 3]
     assert all(r.output_grad_norm is not None for r in sink.records)
+
+
+def test_a_data_parallel_replica_runs_its_own_forward_replicated_by_hand() -> None:
+    """nn.DataParallel on several GPUs makes each GPU's replica of a module from the module's
+    attributes (`torch.nn.parallel.replicate`: it needs the GPUs, so its per-module step is
+    called here by hand, as it calls it) and gives the replica that GPU's copy of each weight:
+    the replica must run its own forward on them, not the watched module's."""
+    model = nn.Linear(4, 2)
+    with gradtrack.watch(model, backend=MemorySink(), log_every=1):
+        replica = model._replicate_for_data_parallel()
+        replica.weight, replica.bias = torch.zeros(2, 4), torch.ones(2)  # (this GPU's copies)
+        assert torch.equal(replica(torch.randn(3, 4)), torch.ones(3, 2))
+        model(torch.randn(3, 4)).sum().backward()  # the watched module itself stays watched
+    assert "forward" not in replica.__dict__
 
 
 def _wrap_forward(module: nn.Module, calls: list[str], name: str) -> object:

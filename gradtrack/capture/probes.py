@@ -324,10 +324,30 @@ class ForwardTaps:
         self._all = True  # every probe is called this step
         self.paused = False  # (a replay's forward is not a step's)
         self._module = module
-        # Another wrapper on the instance (a library's, or an earlier one): put back at `remove`.
+        # What this sets on the instance, each with what was there (None: nothing, the
+        # class's); put back at `remove`. Another wrapper's forward (a library's) stays inside.
+        self._set: dict[str, tuple[object, object]] = {}
         self._outer = module.__dict__.get("forward")
         self.__wrapped__ = module.forward
-        module.forward = self
+        self._put("forward", self)
+        # nn.DataParallel makes each GPU's replica of a module from its attributes, this
+        # wrapper among them, which would run the watched module itself on the replica's
+        # inputs: a replica is made without it (`_Replicas`).
+        self._put("_replicate_for_data_parallel", _Replicas(self))
+
+    def _put(self, name: str, value: object) -> None:
+        self._set[name] = (value, self._module.__dict__.get(name))
+        setattr(self._module, name, value)
+
+    def unset(self, module: nn.Module) -> None:
+        """Take what this set off ``module`` (the watched one, or a replica of it): each
+        attribute as it was, where it is still this one's."""
+        for name, (ours, was) in self._set.items():
+            if module.__dict__.get(name) is ours:
+                if was is None:
+                    del module.__dict__[name]
+                else:
+                    module.__dict__[name] = was
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.paused or torch.compiler.is_compiling():  # (see "Compiled regions" above)
@@ -352,12 +372,7 @@ class ForwardTaps:
         wrapper stays in its chain, calling straight through."""
         self.paused = True
         self._added, self._before_calls, self._after_calls = [], [], []
-        module = self._module
-        if module.__dict__.get("forward") is self:
-            if self._outer is None:
-                del module.forward
-            else:
-                module.forward = self._outer
+        self.unset(self._module)
 
     def add(self, before: Before | None, after: After | None, due_only: bool = False) -> None:
         self._added.append((before, after, due_only))
@@ -379,6 +394,26 @@ class ForwardTaps:
 
 def _same(value: Any) -> Any:
     return value
+
+
+class _Replicas:
+    """A watched module's ``_replicate_for_data_parallel`` (`ForwardTaps`): a replica
+    nn.DataParallel makes of it for another GPU runs its own forward, unwatched, where the
+    attributes it copies from the module would have it run the watched module there."""
+
+    __slots__ = ("_taps",)
+
+    def __init__(self, taps: ForwardTaps) -> None:
+        self._taps = taps
+
+    def __call__(self) -> nn.Module:
+        module = self._taps._module
+        replica: nn.Module = type(module)._replicate_for_data_parallel(module)
+        self._taps.unset(replica)
+        return replica
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        return getattr, (self._taps._module, "_replicate_for_data_parallel")  # (as `ForwardTaps`)
 
 
 class _ModuleHook:
