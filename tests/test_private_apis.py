@@ -45,17 +45,6 @@ def test_torch_flatten_dense_tensors_concatenates_in_one_call() -> None:
     assert _flatten_dense_tensors([alone]).data_ptr() == alone.data_ptr()
 
 
-def test_torch_data_parallel_replicas_copy_the_module_attributes() -> None:
-    """probes.py (`_Replicas`): nn.DataParallel makes a module's replica for each GPU by
-    ``_replicate_for_data_parallel``, a copy of its attributes (gradtrack's forward wrapper
-    among them), on the module's class."""
-    module = nn.Linear(2, 2)
-    module.marker = "copied"
-    replica = module._replicate_for_data_parallel()
-    assert type(replica) is nn.Linear and replica._is_replica
-    assert replica.__dict__["marker"] == "copied" and replica.__dict__ is not module.__dict__
-
-
 def test_torch_pytree_leaves() -> None:
     from torch.utils._pytree import tree_leaves  # origin.py: tensors in any output
 

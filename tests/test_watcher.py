@@ -43,8 +43,7 @@ def hook_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[objec
         state.append(dict(p._backward_hooks or {}))
     for m in model.modules():
         state += [dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks)]
-        # (gradtrack wraps the root's forward, and how nn.DataParallel replicates it)
-        state += [m.__dict__.get(name) for name in ("forward", "_replicate_for_data_parallel")]
+        state.append(m.__dict__.get("forward"))
     return state
 
 
@@ -180,6 +179,22 @@ def test_a_data_parallel_replica_runs_its_own_forward_replicated_by_hand() -> No
         assert torch.equal(replica(torch.randn(3, 4)), torch.ones(3, 2))
         model(torch.randn(3, 4)).sum().backward()  # the watched module itself stays watched
     assert "forward" not in replica.__dict__
+
+
+def test_what_reads_or_copies_a_watched_models_forward_finds_the_models_own() -> None:
+    """``torch.export`` reads ``model.forward``'s code; a shallow copy (Accelerate's regional
+    compilation makes one of the root) carries the module's attributes: neither may find
+    gradtrack there (a wrapper of ``forward`` was tried, and failed both)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    with gradtrack.watch(model, backend=MemorySink(), log_every=1):
+        exported = torch.export.export(model, (x,))
+        assert torch.equal(exported.module()(x), model(x))
+        shallow = copy.copy(model)
+        shallow._modules = dict(model._modules)
+        shallow._modules["2"] = nn.Linear(8, 2)
+        assert torch.equal(shallow(x), shallow[2](model[1](model[0](x))))
 
 
 def _wrap_forward(module: nn.Module, calls: list[str], name: str) -> object:

@@ -113,15 +113,15 @@ class Probes:
         self._taps: dict[int, ForwardTaps] = {}
 
     def taps(self, module: nn.Module) -> ForwardTaps:
-        """The one wrapper of ``module``'s forward the probes share."""
+        """The one pair of forward hooks the probes share on ``module``."""
         taps = self._taps.get(id(module))
         if taps is None:
-            taps = self._taps[id(module)] = ForwardTaps(module)
+            taps = self._taps[id(module)] = ForwardTaps(module, self.handles)
         return taps
 
     def locate(self) -> Origin | None:
         """Which module made this step's NaN/Inf (`OriginProbe.locate`; None: no origin probe),
-        the probes' forward wrappers paused: the replay's forwards are not the step's (its
+        the probes' forward hooks paused: the replay's forwards are not the step's (its
         examples, its output and the gradient reaching it are counted once, and the output
         gradient the user retained stays)."""
         if self.origin is None:
@@ -277,8 +277,6 @@ class Probes:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        for taps in self._taps.values():
-            taps.remove()
         self._taps.clear()
         if self.micro is not None:
             self.micro.remove()
@@ -290,23 +288,23 @@ class Probes:
                 wrapper.remove()
 
 
-# Compiled regions: the forward wrapper (`ForwardTaps`) or a forward hook on a module that
-# is compiled after gradtrack watched it is traced into the graph. Reading the step counter
-# there would make dynamo guard on it (a recompile per step) and registering tensor hooks is
-# a graph break, so in a compiled region the probes do nothing: the gradient statistics,
-# taken from ``.grad`` outside the graph, are unaffected; only the forward/loss evidence and
-# activation gradients are lost. A model compiled *before* watching keeps its output probe
-# (it sits on the eager wrapper).
+# Compiled regions: a forward hook on a module that is compiled after gradtrack watched it
+# is traced into the graph. Reading the step counter there would make dynamo guard on it
+# (a recompile per step) and registering tensor hooks is a graph break, so in a compiled
+# region the probes do nothing: the gradient statistics, taken from ``.grad`` outside the
+# graph, are unaffected; only the forward/loss evidence and activation gradients are lost.
+# A model compiled *before* watching keeps its output probe (it sits on the eager wrapper).
 
 
 class ForwardTaps:
-    """The probes' one look at a module's forward passes: the module's ``forward`` wrapped
-    (an attribute of the instance, the module's own ``forward`` still its class's), calling
-    the probes' own (``before(args, kwargs)``, ``after(output)``) in the order they were
-    added. A forward hook would send every call of the module down torch's hook path, ~4 µs
-    a step more than this wrapper's ~0.5 (benchmarks/README.md, twentieth session on #39);
-    ``inspect.signature(module.forward)`` still reads the module's own (``__wrapped__``),
-    which Hugging Face's Trainer reads to pick the dataset's columns.
+    """One forward pre-hook and one forward hook on a module, each calling the probes' own
+    (``before(args, kwargs)``, ``after(output)``) in the order they were added: a hook torch
+    calls costs a training step a few µs, several probes on the root module one call each.
+    Its handles go to the owner's list, removed with the rest. (Hooks, not a wrapper of the
+    module's ``forward``: a wrapper saved ~4 µs a short step, and broke what reads or copies
+    a module's ``forward`` — `torch.export`, a shallow copy, Accelerate's regional
+    compilation, a model compiled while watched; benchmarks/README.md, twentieth session on
+    #39.)
 
     A probe that acts on due steps alone is added with ``due_only``: it is called in a due
     step and in the step after it (where it lets go of what the due step kept), not in the
@@ -316,63 +314,21 @@ class ForwardTaps:
     Before = Callable[[tuple[Any, ...], dict[str, Any]], None]
     After = Callable[[Any], None]
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, handles: list[RemovableHandle]) -> None:
         self._added: list[tuple[ForwardTaps.Before | None, ForwardTaps.After | None, bool]] = []
         self._before_calls: list[ForwardTaps.Before] = []  # those of this step, in order
         self._after_calls: list[ForwardTaps.After] = []
         self._due = True  # (the step that runs now)
         self._all = True  # every probe is called this step
         self.paused = False  # (a replay's forward is not a step's)
-        self._module = module
-        # What this sets on the instance, each with what was there (None: nothing, the
-        # class's); put back at `remove`. Another wrapper's forward (a library's) stays inside.
-        self._set: dict[str, tuple[object, object]] = {}
-        self._outer = module.__dict__.get("forward")
-        self.__wrapped__ = module.forward
-        self._put("forward", self)
-        # nn.DataParallel makes each GPU's replica of a module from its attributes, this
-        # wrapper among them, which would run the watched module itself on the replica's
-        # inputs: a replica is made without it (`_Replicas`).
-        self._put("_replicate_for_data_parallel", _Replicas(self))
-
-    def _put(self, name: str, value: object) -> None:
-        self._set[name] = (value, self._module.__dict__.get(name))
-        setattr(self._module, name, value)
-
-    def unset(self, module: nn.Module) -> None:
-        """Take what this set off ``module`` (the watched one, or a replica of it): each
-        attribute as it was, where it is still this one's."""
-        for name, (ours, was) in self._set.items():
-            if module.__dict__.get(name) is ours:
-                if was is None:
-                    del module.__dict__[name]
-                else:
-                    module.__dict__[name] = was
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.paused or torch.compiler.is_compiling():  # (see "Compiled regions" above)
-            return self.__wrapped__(*args, **kwargs)
-        for before in self._before_calls:
-            before(args, kwargs)
-        output = self.__wrapped__(*args, **kwargs)
-        for after in self._after_calls:
-            after(output)
-        return output
+        handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
+        handles.append(module.register_forward_hook(self._after))
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         """Copied or saved with its module (an EMA's ``copy.deepcopy``, ``torch.save(model)``),
-        it is the forward it wraps: the copy runs its own, unwatched. (The copy's ``forward``
-        is read before its attributes are set: its class's, bound to it.)"""
-        if self._outer is not None:
-            return _same, (self._outer,)
-        return getattr, (self._module, "forward")
-
-    def remove(self) -> None:
-        """The module's ``forward`` as it was; where something wrapped it again since, this
-        wrapper stays in its chain, calling straight through."""
-        self.paused = True
-        self._added, self._before_calls, self._after_calls = [], [], []
-        self.unset(self._module)
+        its hooks do nothing: the copy is not watched, and the probes (their threads and
+        locks) are not copied."""
+        return _paused_taps, ()
 
     def add(self, before: Before | None, after: After | None, due_only: bool = False) -> None:
         self._added.append((before, after, due_only))
@@ -391,29 +347,26 @@ class ForwardTaps:
         self._before_calls = [b for b, _ in called if b is not None]
         self._after_calls = [a for _, a in called if a is not None]
 
+    def _before(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.paused or torch.compiler.is_compiling():  # (see "Compiled regions" above)
+            return
+        for before in self._before_calls:
+            before(args, kwargs)
 
-def _same(value: Any) -> Any:
-    return value
+    def _after(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self.paused or torch.compiler.is_compiling():
+            return
+        for after in self._after_calls:
+            after(output)
 
 
-class _Replicas:
-    """A watched module's ``_replicate_for_data_parallel`` (`ForwardTaps`): a replica
-    nn.DataParallel makes of it for another GPU runs its own forward, unwatched, where the
-    attributes it copies from the module would have it run the watched module there."""
-
-    __slots__ = ("_taps",)
-
-    def __init__(self, taps: ForwardTaps) -> None:
-        self._taps = taps
-
-    def __call__(self) -> nn.Module:
-        module = self._taps._module
-        replica: nn.Module = type(module)._replicate_for_data_parallel(module)
-        self._taps.unset(replica)
-        return replica
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        return getattr, (self._taps._module, "_replicate_for_data_parallel")  # (as `ForwardTaps`)
+def _paused_taps() -> ForwardTaps:
+    """A copied module's `ForwardTaps`: paused, no probe."""
+    taps = ForwardTaps.__new__(ForwardTaps)
+    taps._added, taps._before_calls, taps._after_calls = [], [], []
+    taps._due = taps._all = False
+    taps.paused = True
+    return taps
 
 
 class _ModuleHook:
