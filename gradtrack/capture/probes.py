@@ -369,27 +369,6 @@ def _paused_taps() -> ForwardTaps:
     return taps
 
 
-class _ModuleHook:
-    """A probe's hook on a module. Copied or saved with the module (an EMA's
-    ``copy.deepcopy``, ``torch.save(model)``), it does nothing: the copy is not watched,
-    and the probe (its threads and locks) is not copied."""
-
-    __slots__ = ("_call",)
-
-    def __init__(self, call: Callable[..., None]) -> None:
-        self._call = call
-
-    def __call__(self, *args: Any) -> None:
-        self._call(*args)
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        return _ModuleHook, (_nothing,)
-
-
-def _nothing(*_args: Any) -> None:
-    return None
-
-
 def _and(previous: Tensor | None, current: Tensor) -> Tensor:
     return current if previous is None else torch.logical_and(previous, current)
 
@@ -582,9 +561,14 @@ class ActivationProbe:
         self.norms: list[Tensor | None] = [None] * len(modules)
         self.order: list[int] = []  # module indices, in the order their output grads arrived
         self.handles = [
-            module.register_forward_hook(_ModuleHook(functools.partial(self._after_forward, index)))
+            module.register_forward_hook(functools.partial(self._after_forward, index))
             for index, module in enumerate(modules)
         ]
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """Copied or saved with the modules (`ForwardTaps.__reduce_ex__`): one that does
+        nothing."""
+        return _idle_activations, ()
 
     def _after_forward(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or not self._is_due():
@@ -610,6 +594,11 @@ class ActivationProbe:
         order = self.order
         self.norms, self.order = [None] * len(self.norms), []
         return norms, order
+
+
+def _idle_activations() -> ActivationProbe:
+    """A copied module's `ActivationProbe`: never due, so its hooks do nothing."""
+    return ActivationProbe([], lambda: False)
 
 
 class BatchCounter:
