@@ -314,21 +314,23 @@ class ForwardTaps:
     Before = Callable[[tuple[Any, ...], dict[str, Any]], None]
     After = Callable[[Any], None]
 
-    def __init__(self, module: nn.Module, handles: list[RemovableHandle]) -> None:
+    def __init__(self, module: nn.Module | None, handles: list[RemovableHandle]) -> None:
         self._added: list[tuple[ForwardTaps.Before | None, ForwardTaps.After | None, bool]] = []
         self._before_calls: list[ForwardTaps.Before] = []  # those of this step, in order
         self._after_calls: list[ForwardTaps.After] = []
         self._due = True  # (the step that runs now)
         self._all = True  # every probe is called this step
-        self.paused = False  # (a replay's forward is not a step's)
-        handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
-        handles.append(module.register_forward_hook(self._after))
+        # (a replay's forward is not a step's; None: a copied module's, see `__reduce_ex__`)
+        self.paused = module is None
+        if module is not None:
+            handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._after))
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         """Copied or saved with its module (an EMA's ``copy.deepcopy``, ``torch.save(model)``),
         its hooks do nothing: the copy is not watched, and the probes (their threads and
         locks) are not copied."""
-        return _paused_taps, ()
+        return ForwardTaps, (None, [])
 
     def add(self, before: Before | None, after: After | None, due_only: bool = False) -> None:
         self._added.append((before, after, due_only))
@@ -358,15 +360,6 @@ class ForwardTaps:
             return
         for after in self._after_calls:
             after(output)
-
-
-def _paused_taps() -> ForwardTaps:
-    """A copied module's `ForwardTaps`: paused, no probe."""
-    taps = ForwardTaps.__new__(ForwardTaps)
-    taps._added, taps._before_calls, taps._after_calls = [], [], []
-    taps._due = taps._all = False
-    taps.paused = True
-    return taps
 
 
 def _and(previous: Tensor | None, current: Tensor) -> Tensor:

@@ -254,11 +254,9 @@ class ShapeGroups:
             first[positions], numels[positions] = laid + starts, numel
             laid += numel * len(positions)
         self._count = count
-        # Each element's place in the stacks laid end to end, in `flatten`'s order; as a
-        # tensor when first asked (a plan learnt for the norms alone makes no op).
+        # Each element's place in the stacks laid end to end, in `flatten`'s order.
         pairs = zip(first.tolist(), numels.tolist())
         self._order_array = np.concatenate([np.arange(f, f + n) for f, n in pairs])
-        self._order: Tensor | None = None
 
     @classmethod
     def of(cls, tensors: Sequence[Tensor], minimum: int = _TENSORS_PER_SHAPE) -> ShapeGroups | None:
@@ -288,10 +286,14 @@ class ShapeGroups:
             squares[positions] = np.add.reduceat(values, starts)
         return squares
 
+    @functools.cached_property
+    def _order(self) -> Tensor:
+        """`_order_array` as a tensor, made when a concatenation first needs it: a plan learnt
+        for the norms alone makes no op."""
+        return torch.from_numpy(self._order_array)
+
     def flatten(self, grads: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
         """`flatten` of ``grads``: their values end to end, in a new tensor or ``out``."""
-        if self._order is None:
-            self._order = torch.from_numpy(self._order_array)
         stacks = [stack.reshape(-1) for _, _, stack in self._stacks(grads)]
         stacked = torch.cat(stacks) if len(stacks) > 1 else stacks[0]
         return torch.index_select(stacked, 0, self._order, out=out)
